@@ -1,0 +1,71 @@
+"""tracerl: train the LLM inside an existing agent with GRPO, token-exactly.
+
+The public API mirrors OpenPipe ART, so ``import art`` can become ``import tracerl as art``.
+Heavy parts (torch, vLLM, FastAPI) load only when a backend is created.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .core.config import EngineConfig, LoraConfig, ModelConfig, TrainConfig
+from .core.context import ContextThreadPoolExecutor, current_rollout, rollout_scope
+from .core.errors import (
+    ConfigError,
+    EngineError,
+    InvalidTrajectoryError,
+    NotRegisteredError,
+    PluginError,
+    RolloutTimeoutError,
+    TooManyExceptionsError,
+    TracerlError,
+    TrainingError,
+)
+from .core.gather import gather_trajectories, gather_trajectory_groups
+from .core.hookspecs import HOOKSPEC_VERSION, hookimpl
+from .core.model import Model, TrainableModel
+from .core.trajectory import CompletionRecord, LLMCall, RolloutException, Trajectory, TrajectoryGroup
+
+if TYPE_CHECKING:
+    from .backend.local import LocalBackend
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "HOOKSPEC_VERSION",
+    "CompletionRecord",
+    "ConfigError",
+    "ContextThreadPoolExecutor",
+    "EngineConfig",
+    "EngineError",
+    "InvalidTrajectoryError",
+    "LLMCall",
+    "LocalBackend",
+    "LoraConfig",
+    "Model",
+    "ModelConfig",
+    "NotRegisteredError",
+    "PluginError",
+    "RolloutException",
+    "RolloutTimeoutError",
+    "TooManyExceptionsError",
+    "TracerlError",
+    "TrainConfig",
+    "TrainableModel",
+    "TrainingError",
+    "Trajectory",
+    "TrajectoryGroup",
+    "current_rollout",
+    "gather_trajectories",
+    "gather_trajectory_groups",
+    "hookimpl",
+    "rollout_scope",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LocalBackend":
+        from .backend.local import LocalBackend
+
+        return LocalBackend
+    raise AttributeError(f"module 'tracerl' has no attribute {name!r}")

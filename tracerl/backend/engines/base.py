@@ -1,0 +1,91 @@
+"""The engine interface: what the gateway needs from an inference engine.
+
+Engines speak OpenAI-shaped JSON with vLLM's extras, whatever they run on: a chat response has
+``prompt_token_ids`` at the top level and ``token_ids`` plus ``logprobs`` on every choice. That
+is what makes records of every engine the same shape.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from ...core.config import EngineConfig, LoraConfig
+
+
+class EngineRequestError(Exception):
+    """The request is invalid for the engine (becomes an OpenAI-style 4xx)."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+        self.code = code
+
+
+class EngineUnavailableError(Exception):
+    """The engine is down or restarting (becomes a 503)."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What to serve: a base model folder and the LoRA shape trained on it."""
+
+    model_path: Path
+    served_name: str
+    config: EngineConfig
+    lora: LoraConfig
+
+
+class Engine(ABC):
+    """An inference engine serving one base model and its LoRA adapters."""
+
+    name: ClassVar[str]
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+
+    @classmethod
+    def available(cls) -> bool:
+        """Whether this engine can run here (its packages are importable)."""
+        return True
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Load the model; return when requests can be served."""
+
+    @abstractmethod
+    async def stop(self) -> None:
+        """Release the model and any process."""
+
+    @abstractmethod
+    async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A non-streaming chat completion (``body['model']`` is an engine model name)."""
+
+    @abstractmethod
+    def chat_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Chat completion chunks, as dicts (the SSE ``data:`` payloads)."""
+
+    @abstractmethod
+    async def completions(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A non-streaming text completion; ``prompt`` may be a string or token ids."""
+
+    @abstractmethod
+    async def load_adapter(self, lora_name: str, path: Path) -> None:
+        """Serve the LoRA adapter at ``path`` as ``lora_name``, replacing one of that name."""
+
+    @abstractmethod
+    async def healthy(self) -> bool:
+        """Whether the engine answers; False triggers a restart."""
+
+    async def restart(self) -> None:
+        """Stop and start again, re-loading adapters (default: stop, then start)."""
+        await self.stop()
+        await self.start()
+
+    def tokenizer_path(self) -> Path:
+        return self.spec.model_path

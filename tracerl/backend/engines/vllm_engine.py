@@ -1,0 +1,203 @@
+"""The vLLM engine: a vLLM OpenAI server subprocess on loopback, driven over HTTP.
+
+vLLM may live in its own virtual environment (its pins rarely match the trainer's): set
+``TRACERL_VLLM_PYTHON`` to that interpreter, or install vLLM beside tracerl. LoRA adapters are
+hot-swapped with ``/v1/load_lora_adapter`` and ``load_inplace``. Logprobs are requested in
+``processed_logprobs`` mode, i.e. of the distribution actually sampled from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from ...core.errors import EngineError
+from ...core.hookspecs import hookimpl
+from .base import Engine, EngineRequestError, EngineSpec, EngineUnavailableError
+
+STARTUP_TIMEOUT_S = float(os.environ.get("TRACERL_VLLM_STARTUP_TIMEOUT", "600"))
+
+
+def vllm_python() -> str | None:
+    """The interpreter that has vLLM: ``TRACERL_VLLM_PYTHON``, else this one if it has vLLM."""
+    explicit = os.environ.get("TRACERL_VLLM_PYTHON")
+    if explicit:
+        return explicit if shutil.which(explicit) or Path(explicit).exists() else None
+    return sys.executable if importlib.util.find_spec("vllm") else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VLLMEngine(Engine):
+    name = "vllm"
+
+    def __init__(self, spec: EngineSpec) -> None:
+        super().__init__(spec)
+        self.process: subprocess.Popen | None = None
+        self.port: int | None = None
+        self.client: httpx.AsyncClient | None = None
+        self._adapters: dict[str, Path] = {}
+        self._log = tempfile.NamedTemporaryFile(prefix="tracerl-vllm-", suffix=".log", delete=False)  # noqa: SIM115
+
+    @classmethod
+    def available(cls) -> bool:
+        return vllm_python() is not None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        python = vllm_python()
+        if python is None:
+            raise EngineError("vLLM is not installed: install it or set TRACERL_VLLM_PYTHON to the "
+                              "python of a venv that has it")
+        cfg, lora = self.spec.config, self.spec.lora
+        dtype = "bfloat16" if cfg.dtype == "auto" else cfg.dtype
+        cmd = [
+            python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.spec.model_path), "--served-model-name", self.spec.served_name,
+            "--host", "127.0.0.1", "--port", str(self.port), "--dtype", dtype,
+            "--max-model-len", str(cfg.max_model_len), "--max-num-seqs", str(cfg.max_num_seqs),
+            "--enable-lora", "--max-lora-rank", str(max(lora.r, 8)), "--max-loras", "2",
+            "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log",
+        ]
+        if cfg.tool_call_parser:
+            cmd += ["--enable-auto-tool-choice", "--tool-call-parser", cfg.tool_call_parser]
+        return cmd + list(cfg.extra_args)
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(Path(self._log.name).read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    async def start(self) -> None:
+        self.port = _free_port()
+        env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+               "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1",
+               "VLLM_CONFIGURE_LOGGING": "1"}
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env.pop("PYTHONPATH", None)  # the vLLM venv brings its own packages
+        self.process = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
+                                        env=env, start_new_session=True)
+        self.client = httpx.AsyncClient(base_url=self.base_url,
+                                        timeout=httpx.Timeout(self.spec.config.request_timeout_s, connect=5))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + STARTUP_TIMEOUT_S
+        while True:
+            if self.process.poll() is not None:
+                raise EngineError(f"vLLM exited with code {self.process.returncode} while starting:\n"
+                                  f"{self.log_tail()}")
+            if await self.healthy():
+                break
+            if loop.time() > deadline:
+                await self.stop()
+                raise EngineError(f"vLLM did not become healthy within {STARTUP_TIMEOUT_S:.0f} s:\n"
+                                  f"{self.log_tail()}")
+            await asyncio.sleep(0.5)
+        for name, path in list(self._adapters.items()):
+            await self.load_adapter(name, path)
+
+    async def stop(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+            self.client = None
+        proc, self.process = self.process, None
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, 15)
+            try:
+                await asyncio.to_thread(proc.wait, 20)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, 9)
+                await asyncio.to_thread(proc.wait)
+
+    async def healthy(self) -> bool:
+        if self.process is None or self.process.poll() is not None or self.client is None:
+            return False
+        try:
+            r = await self.client.get("/health", timeout=5)
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 200
+
+    async def load_adapter(self, lora_name: str, path: Path) -> None:
+        body = {"lora_name": lora_name, "lora_path": str(path), "load_inplace": True}
+        r = await self._post("/v1/load_lora_adapter", body)
+        if r.status_code != 200:
+            raise EngineError(f"vLLM refused adapter {lora_name!r} from {path}: {r.text}")
+        self._adapters[lora_name] = Path(path)
+
+    async def _post(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        if self.client is None or self.process is None or self.process.poll() is not None:
+            raise EngineUnavailableError("the vLLM server is not running")
+        try:
+            return await self.client.post(path, json=body)
+        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as e:
+            raise EngineUnavailableError(f"the vLLM server did not answer: {e}") from e
+
+    @staticmethod
+    def _raise_for(r: httpx.Response) -> None:
+        if r.status_code < 400:
+            return
+        try:
+            err = r.json().get("error", {})
+            message = err.get("message") or r.text
+        except (json.JSONDecodeError, AttributeError):
+            err, message = {}, r.text
+        if r.status_code >= 500:
+            raise EngineUnavailableError(f"vLLM failed ({r.status_code}): {message}")
+        raise EngineRequestError(message, status=r.status_code, param=err.get("param"),
+                                 code=err.get("code"))
+
+    async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        r = await self._post("/v1/chat/completions", body)
+        self._raise_for(r)
+        return r.json()
+
+    async def completions(self, body: dict[str, Any]) -> dict[str, Any]:
+        r = await self._post("/v1/completions", body)
+        self._raise_for(r)
+        return r.json()
+
+    async def chat_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        if self.client is None:
+            raise EngineUnavailableError("the vLLM server is not running")
+        try:
+            async with self.client.stream("POST", "/v1/chat/completions", json=body) as r:
+                if r.status_code >= 400:
+                    await r.aread()
+                    self._raise_for(r)
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        return
+                    yield json.loads(data)
+        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as e:
+            raise EngineUnavailableError(f"the vLLM server did not answer: {e}") from e
+
+
+@hookimpl
+def tracerl_engines() -> list[type]:
+    return [VLLMEngine]

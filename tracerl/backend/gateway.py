@@ -1,0 +1,317 @@
+"""The inference gateway: an OpenAI-compatible endpoint in front of the engines.
+
+Rollouts are attributed by path (``/rollouts/{id}/v1/...``) or by the ``x-rollout-id`` header.
+Every call is recorded token-exactly before the response is returned. Errors are OpenAI-shaped:
+bad requests get 4xx, an engine that is down gets 503 (and is restarted), a request that runs
+past its deadline gets 504: never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ..core.context import ROLLOUT_HEADER
+from ..core.errors import EngineError
+from ..core.plugins import get_plugin_manager
+from ..core.storage import ModelStore, validate_name
+from .engines.base import Engine, EngineRequestError, EngineUnavailableError
+from .recorder import CallStore, StreamAssembler, build_call, inject_training_fields, strip_for_caller
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+def openai_error(status: int, message: str, *, type_: str | None = None, param: str | None = None,
+                 code: str | None = None) -> JSONResponse:
+    if type_ is None:
+        type_ = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+                 413: "invalid_request_error", 503: "service_unavailable", 504: "timeout"}.get(
+                     status, "invalid_request_error" if status < 500 else "server_error")
+    return JSONResponse(status_code=status, content={
+        "error": {"message": message, "type": type_, "param": param, "code": code}})
+
+
+class _SwapLock:
+    """Requests share it; an adapter swap waits for requests in flight and holds new ones."""
+
+    def __init__(self) -> None:
+        self._readers = 0
+        self._cond = asyncio.Condition()
+        self._swapping = False
+
+    async def acquire_read(self) -> None:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._swapping)
+            self._readers += 1
+
+    async def release_read(self) -> None:
+        async with self._cond:
+            self._readers -= 1
+            self._cond.notify_all()
+
+    async def __aenter__(self) -> None:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._swapping)
+            self._swapping = True
+            await self._cond.wait_for(lambda: self._readers == 0)
+
+    async def __aexit__(self, *exc: object) -> None:
+        async with self._cond:
+            self._swapping = False
+            self._cond.notify_all()
+
+
+@dataclass
+class ServedModel:
+    """A trainable model's route: requests for ``name`` go to its newest adapter."""
+
+    name: str
+    engine: Engine
+    store: ModelStore
+    step: int = 0
+    swap: _SwapLock = field(default_factory=_SwapLock)
+
+    def resolve(self, requested: str) -> tuple[str, int | None]:
+        """Engine model name and adapter step for a requested model name."""
+        if requested == self.engine.spec.served_name and requested != self.name:
+            return requested, None
+        step = self.step
+        if "@" in requested:
+            _, _, raw = requested.partition("@")
+            if not raw.isdigit():
+                raise EngineRequestError(f"bad step in model name {requested!r}", status=404,
+                                         param="model", code="model_not_found")
+            if int(raw) != self.step:
+                raise EngineRequestError(
+                    f"The model `{requested}` is not served: step {raw} is not the current step "
+                    f"({self.step}); use `{self.name}` or `{self.name}@{self.step}`",
+                    status=404, param="model", code="model_not_found")
+        if step == 0:
+            return self.engine.spec.served_name, 0
+        return self.name, step
+
+
+class Gateway:
+    """The gateway's state: routes, records and engine supervision."""
+
+    def __init__(self, api_key: str | None = None) -> None:
+        self.api_key = api_key
+        self.models: dict[str, ServedModel] = {}
+        self.calls = CallStore()
+        self._restarts: dict[int, asyncio.Task] = {}
+        self.app = self._build_app()
+
+    # --- routing ---------------------------------------------------------------------------
+
+    def add_model(self, served: ServedModel) -> None:
+        self.models[served.name] = served
+
+    def _route(self, requested: Any) -> tuple[ServedModel, str, int | None]:
+        if not isinstance(requested, str) or not requested:
+            raise EngineRequestError("you must provide a model parameter", param="model")
+        name = requested.partition("@")[0]
+        served = self.models.get(name)
+        if served is None:
+            for m in self.models.values():
+                if m.engine.spec.served_name == requested:
+                    served = m
+                    break
+        if served is None:
+            known = sorted({*self.models, *(m.engine.spec.served_name for m in self.models.values())})
+            raise EngineRequestError(f"The model `{requested}` does not exist. Served: {known}",
+                                     status=404, param="model", code="model_not_found")
+        engine_model, step = served.resolve(requested)
+        return served, engine_model, step
+
+    async def swap_adapter(self, name: str, step: int, path: Any) -> None:
+        """Serve checkpoint ``step`` of model ``name`` once calls in flight have finished."""
+        served = self.models[name]
+        async with served.swap:
+            await served.engine.load_adapter(name, path)
+            served.step = step
+
+    def _schedule_restart(self, engine: Engine) -> None:
+        task = self._restarts.get(id(engine))
+        if task is not None and not task.done():
+            return
+
+        async def restart() -> None:
+            if not await engine.healthy():
+                await engine.restart()
+
+        self._restarts[id(engine)] = asyncio.create_task(restart())
+
+    # --- app -------------------------------------------------------------------------------
+
+    def _check_auth(self, request: Request) -> JSONResponse | None:
+        if self.api_key is None:
+            return None
+        auth = request.headers.get("authorization", "")
+        token = auth[7:] if auth.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+            return openai_error(401, "Incorrect or missing API key (send Authorization: Bearer <key>)",
+                                code="invalid_api_key")
+        return None
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="tracerl gateway", docs_url=None, redoc_url=None)
+
+        @app.get("/health")
+        async def health() -> dict[str, Any]:
+            return {"status": "ok", "models": {n: m.step for n, m in self.models.items()}}
+
+        async def list_models(request: Request) -> Any:
+            if (denied := self._check_auth(request)) is not None:
+                return denied
+            data = []
+            for m in self.models.values():
+                for mid in (m.name, f"{m.name}@{m.step}", m.engine.spec.served_name):
+                    data.append({"id": mid, "object": "model", "created": 0, "owned_by": "tracerl"})
+            return {"object": "list", "data": data}
+
+        async def chat(request: Request, rollout_id: str | None = None) -> Any:
+            return await self._handle(request, "chat.completions", rollout_id)
+
+        async def completions(request: Request, rollout_id: str | None = None) -> Any:
+            return await self._handle(request, "completions", rollout_id)
+
+        for prefix in ("", "/rollouts/{rollout_id}"):
+            app.add_api_route(prefix + "/v1/models", list_models, methods=["GET"])
+            app.add_api_route(prefix + "/v1/chat/completions", chat, methods=["POST"])
+            app.add_api_route(prefix + "/v1/completions", completions, methods=["POST"])
+        return app
+
+    async def _read_body(self, request: Request) -> dict[str, Any]:
+        length = request.headers.get("content-length")
+        if length is not None and int(length) > MAX_BODY_BYTES:
+            raise EngineRequestError(f"request body over {MAX_BODY_BYTES} bytes", status=413)
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise EngineRequestError(f"request body over {MAX_BODY_BYTES} bytes", status=413)
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise EngineRequestError(f"request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise EngineRequestError("request body must be a JSON object")
+        return body
+
+    @staticmethod
+    def _check_body(endpoint: str, body: dict[str, Any]) -> None:
+        if endpoint == "chat.completions":
+            msgs = body.get("messages")
+            if not isinstance(msgs, list) or not msgs:
+                raise EngineRequestError("messages must be a non-empty list", param="messages")
+            for i, m in enumerate(msgs):
+                if not isinstance(m, dict) or "role" not in m:
+                    raise EngineRequestError(f"messages[{i}] must be an object with a role",
+                                             param=f"messages[{i}]")
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+                raise EngineRequestError("send one prompt per request (a string or token ids) so "
+                                         "the call can be recorded exactly", param="prompt")
+
+    async def _handle(self, request: Request, endpoint: str, path_rollout: str | None) -> Any:
+        if (denied := self._check_auth(request)) is not None:
+            return denied
+        try:
+            body = await self._read_body(request)
+            rollout_id = path_rollout or request.headers.get(ROLLOUT_HEADER)
+            if rollout_id is not None:
+                validate_name("rollout id", rollout_id)
+            self._check_body(endpoint, body)
+            served, engine_model, step = self._route(body.get("model"))
+        except EngineRequestError as e:
+            return openai_error(e.status, str(e), param=e.param, code=e.code)
+        except ValueError as e:
+            return openai_error(400, str(e), param="rollout_id")
+
+        engine_body = inject_training_fields(endpoint, {**body, "model": engine_model})
+        timeout = served.engine.spec.config.request_timeout_s
+        if body.get("stream"):
+            if endpoint != "chat.completions":
+                return openai_error(400, "streaming is supported for chat completions only",
+                                    param="stream")
+            return await self._stream(served, engine_body, body, rollout_id, step, timeout)
+
+        await served.swap.acquire_read()
+        started = time.perf_counter()
+        try:
+            call = served.engine.chat if endpoint == "chat.completions" else served.engine.completions
+            response = await asyncio.wait_for(call(engine_body), timeout)
+        except EngineRequestError as e:
+            return openai_error(e.status, str(e), param=e.param, code=e.code)
+        except (EngineUnavailableError, EngineError) as e:
+            self._schedule_restart(served.engine)
+            return openai_error(503, f"the inference engine is unavailable and is being restarted: {e}")
+        except TimeoutError:
+            self._schedule_restart(served.engine)
+            return openai_error(504, f"the engine did not answer within {timeout} s")
+        finally:
+            await served.swap.release_read()
+        response["model"] = body["model"]
+        self._record(served, endpoint, body, response, rollout_id, step,
+                     time.perf_counter() - started, streamed=False)
+        return JSONResponse(strip_for_caller(endpoint, body, response))
+
+    def _record(self, served: ServedModel, endpoint: str, body: dict[str, Any],
+                response: dict[str, Any] | None, rollout_id: str | None, step: int | None,
+                latency: float, streamed: bool, error: str | None = None) -> None:
+        call = build_call(endpoint=endpoint, caller_body=body, response=response, rollout_id=rollout_id,
+                          model=body.get("model", ""), adapter_step=step, latency_s=latency,
+                          streamed=streamed, error=error)
+        self.calls.add(served.store, call)
+        get_plugin_manager().hook.tracerl_on_llm_call(call=call)
+
+    async def _stream(self, served: ServedModel, engine_body: dict[str, Any], body: dict[str, Any],
+                      rollout_id: str | None, step: int | None, timeout: float) -> Any:
+        """Forward SSE chunks as they come while assembling the record."""
+        await served.swap.acquire_read()
+        started = time.perf_counter()
+        stream = served.engine.chat_stream(engine_body)
+        try:  # the first chunk is awaited here so that engine errors become proper statuses
+            first = await asyncio.wait_for(anext(stream), timeout)
+        except StopAsyncIteration:
+            first = None
+        except EngineRequestError as e:
+            await served.swap.release_read()
+            return openai_error(e.status, str(e), param=e.param, code=e.code)
+        except (EngineUnavailableError, EngineError, TimeoutError) as e:
+            await served.swap.release_read()
+            self._schedule_restart(served.engine)
+            return openai_error(503, f"the inference engine is unavailable: {e}")
+
+        async def events() -> AsyncIterator[bytes]:
+            assembler = StreamAssembler()
+            error = None
+            try:
+                chunk = first
+                while chunk is not None:
+                    assembler.add(chunk)
+                    chunk["model"] = body["model"]
+                    yield b"data: " + json.dumps(strip_for_caller("chat.completions", body, chunk)).encode() + b"\n\n"
+                    try:
+                        chunk = await asyncio.wait_for(anext(stream), timeout)
+                    except StopAsyncIteration:
+                        chunk = None
+                yield b"data: [DONE]\n\n"
+            except (EngineUnavailableError, EngineError, TimeoutError) as e:
+                error = f"stream broke off: {e or type(e).__name__}"
+                self._schedule_restart(served.engine)
+                payload = {"error": {"message": error, "type": "service_unavailable", "param": None, "code": None}}
+                yield b"data: " + json.dumps(payload).encode() + b"\n\n"
+            finally:
+                await served.swap.release_read()
+                self._record(served, "chat.completions", body, assembler.response(), rollout_id, step,
+                             time.perf_counter() - started, streamed=True, error=error)
+
+        return StreamingResponse(events(), media_type="text/event-stream")

@@ -1,0 +1,239 @@
+"""``LocalBackend``: gateway, engine and trainer in this process (the gateway in a thread).
+
+The gateway runs its own event loop in a background thread, so rollouts on the caller's loop
+and engine work never block each other; training runs in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ..core.config import TrainConfig
+from ..core.errors import ConfigError, EngineError, TrainingError
+from ..core.hookspecs import hookimpl
+from ..core.plugins import collect_classes, get_plugin_manager
+from ..core.storage import ModelStore, atomic_directory
+from ..core.trajectory import LLMCall, TrajectoryGroup, write_groups_jsonl
+from .base import Backend, InferenceEndpoint
+from .engines.base import Engine, EngineSpec
+
+T = TypeVar("T")
+
+
+def choose_engine(requested: str) -> type[Engine]:
+    """The engine class for 'vllm', 'transformers', a plugin's name, or 'auto'."""
+    engines = collect_classes("tracerl_engines")
+    requested = os.environ.get("TRACERL_ENGINE", requested) if requested == "auto" else requested
+    if requested == "auto":
+        for name in ("vllm", "transformers"):
+            if name in engines and engines[name].available():
+                return engines[name]
+        raise EngineError("no inference engine is available: install vLLM or torch+transformers+peft")
+    if requested not in engines:
+        raise ConfigError(f"unknown engine {requested!r}; available: {sorted(engines)}")
+    if not engines[requested].available():
+        raise EngineError(f"engine {requested!r} is not available here (missing packages)")
+    return engines[requested]
+
+
+class _GatewayThread:
+    """uvicorn serving the gateway app on its own loop in a daemon thread."""
+
+    def __init__(self, app: Any, host: str, port: int) -> None:
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.host, self.port = host, self.sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_keep_alive=30, limit_concurrency=4096)
+        self.server = uvicorn.Server(config)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._run, name="tracerl-gateway", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise EngineError(f"the gateway did not start on {host}:{port}")
+            time.sleep(0.01)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(self.server.serve(sockets=[self.sock]))
+
+    async def call(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the gateway loop and await its result from any loop."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()
+
+
+class LocalBackend(Backend):
+    """Serve and train models on this machine."""
+
+    name = "local"
+
+    def __init__(self, *, path: str | Path = ".tracerl", host: str = "127.0.0.1", port: int = 0,
+                 api_key: str | None = None, engine: str | None = None) -> None:
+        from .gateway import Gateway
+
+        if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+            raise ConfigError(f"binding the gateway to {host} needs an api_key (loopback is the default)")
+        self.path = Path(path)
+        self.host, self.port = host, port
+        self.api_key = api_key
+        self.engine_override = engine
+        self.gateway = Gateway(api_key=api_key)
+        self._thread: _GatewayThread | None = None
+        self._engines: dict[Path, Engine] = {}
+        self._stores: dict[str, ModelStore] = {}
+        self._trainers: dict[str, Any] = {}
+        self._train_lock = asyncio.Lock()
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _gateway(self) -> _GatewayThread:
+        if self._thread is None:
+            self._thread = _GatewayThread(self.gateway.app, self.host, self.port)
+        return self._thread
+
+    @property
+    def base_url(self) -> str:
+        t = self._gateway()
+        host = f"[{t.host}]" if ":" in t.host else t.host
+        return f"http://{host}:{t.port}/v1"
+
+    def store(self, model: Any) -> ModelStore:
+        key = f"{model.project}/{model.name}"
+        if key not in self._stores:
+            self._stores[key] = ModelStore(self.path, model.project, model.name)
+        return self._stores[key]
+
+    # --- Backend API -----------------------------------------------------------------------
+
+    async def register(self, model: Any) -> InferenceEndpoint:
+        from .gateway import ServedModel
+        from .weights import resolve_base_model
+
+        if not model.base_model:
+            raise ConfigError(f"{model!r} has no base_model to serve")
+        store = self.store(model)
+        store.write_definition({"name": model.name, "project": model.project,
+                                "base_model": model.base_model, "trainable": model.trainable,
+                                "config": model.config.model_dump()})
+        model_path = await asyncio.to_thread(resolve_base_model, model.base_model)
+        gateway = self._gateway()
+        engine = self._engines.get(model_path)
+        if engine is None:
+            cls = choose_engine(self.engine_override or model.config.engine.engine)
+            served_name = model_path.name
+            engine = cls(EngineSpec(model_path=model_path, served_name=served_name,
+                                    config=model.config.engine, lora=model.config.lora))
+            await gateway.call(engine.start())
+            self._engines[model_path] = engine
+        if engine.spec.served_name == model.name:
+            raise ConfigError(f"model name {model.name!r} collides with its base model's served name")
+        existing = self.gateway.models.get(model.name)
+        if existing is None or existing.store.root != store.root:
+            self.gateway.add_model(ServedModel(name=model.name, engine=engine, store=store))
+        step = store.latest_step()
+        if step > 0 and self.gateway.models[model.name].step != step:
+            await gateway.call(self.gateway.swap_adapter(model.name, step, store.checkpoint_dir(step)))
+        return InferenceEndpoint(self.base_url, self.api_key or "tracerl-local", model.name)
+
+    async def get_step(self, model: Any) -> int:
+        return self.store(model).latest_step()
+
+    async def fetch_calls(self, model: Any, rollout_id: str) -> list[LLMCall]:
+        return self.gateway.calls.take(self.store(model), rollout_id)
+
+    async def log(self, model: Any, groups: list[TrajectoryGroup], split: str, step: int,
+                  metrics: dict[str, float]) -> None:
+        store = self.store(model)
+        path = store.trajectories_path(split, step)
+        _append_groups(path, groups)  # several log() calls of one step add up
+        store.log_history(step, split, metrics)
+
+    async def history(self, model: Any) -> list[dict[str, Any]]:
+        return self.store(model).history()
+
+    async def delete_checkpoints(self, model: Any, keep_steps: set[int]) -> list[int]:
+        return self.store(model).delete_checkpoints(keep_steps)
+
+    def _trainer(self, model: Any) -> Any:
+        from .training.trainer import Trainer
+
+        store = self.store(model)
+        key = str(store.root)
+        if key not in self._trainers:
+            engine = self.gateway.models[model.name].engine
+            step = store.latest_step()
+            self._trainers[key] = Trainer(
+                model_path=engine.spec.model_path, lora=model.config.lora,
+                adapter_path=store.checkpoint_dir(step) if step > 0 else None,
+            )
+        return self._trainers[key]
+
+    async def train(self, model: Any, groups: list[TrajectoryGroup], config: TrainConfig
+                    ) -> AsyncIterator[dict[str, float]]:
+        if model.name not in self.gateway.models:
+            raise TrainingError(f"{model!r} is not registered with this backend")
+        if self._train_lock.locked():
+            raise TrainingError("a training step of this backend is already running; await it first")
+        async with self._train_lock:
+            store = self.store(model)
+            step = store.latest_step() + 1
+            write_groups_jsonl(store.trajectories_path("train", step), groups)  # before training
+            hook = get_plugin_manager().hook
+            hook.tracerl_before_train_step(model=model, step=step, groups=groups, config=config)
+            trainer = await asyncio.to_thread(self._trainer, model)
+            started = time.perf_counter()
+            metrics = await asyncio.to_thread(trainer.train_step, groups, config)
+            if metrics.get("skipped"):
+                print(f"[tracerl] step {step} skipped: {metrics.get('skip_reason', 'no data')}",
+                      file=sys.stderr)
+            with atomic_directory(store.checkpoint_dir(step)) as tmp:
+                await asyncio.to_thread(trainer.save, tmp)
+            await self._gateway().call(
+                self.gateway.swap_adapter(model.name, step, store.checkpoint_dir(step)))
+            metrics["seconds"] = time.perf_counter() - started
+            store.log_history(step, "train", metrics)
+            hook.tracerl_after_train_step(model=model, step=step, metrics=metrics)
+            hook.tracerl_log_metrics(model=model, step=step, split="train", metrics=metrics)
+            yield metrics
+
+    async def close(self) -> None:
+        for engine in self._engines.values():
+            if self._thread is not None:
+                try:
+                    await self._thread.call(engine.stop())
+                except Exception as e:  # noqa: BLE001 - closing must go on
+                    print(f"tracerl: stopping engine {engine.name} failed: {e}", file=sys.stderr)
+        self._engines.clear()
+        if self._thread is not None:
+            self._thread.stop()
+            self._thread = None
+
+
+def _append_groups(path: Path, groups: list[TrajectoryGroup]) -> None:
+    from ..core.storage import atomic_write_text
+
+    existing = path.read_text() if path.exists() else ""
+    atomic_write_text(path, existing + "".join(g.model_dump_json() + "\n" for g in groups))
+
+
+@hookimpl
+def tracerl_backends() -> list[type]:
+    return [LocalBackend]

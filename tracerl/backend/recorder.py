@@ -1,0 +1,177 @@
+"""Turning engine responses into token-exact :class:`LLMCall` records, and keeping them.
+
+What the gateway injects for training (logprobs, token ids) is removed again from what the
+caller gets back unless the caller asked for it.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+import uuid
+from collections import defaultdict
+from typing import Any
+
+from ..core.storage import ModelStore, append_jsonl
+from ..core.trajectory import CompletionRecord, LLMCall
+
+UNATTRIBUTED = "unattributed"
+
+
+def inject_training_fields(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The request the engine gets: the caller's, plus logprobs and token ids."""
+    out = dict(body)
+    out["return_token_ids"] = True
+    if endpoint == "chat.completions":
+        out["logprobs"] = True
+        if out.get("top_logprobs") is None:
+            out["top_logprobs"] = 0
+    else:
+        out["logprobs"] = out.get("logprobs") or 0
+    return out
+
+
+def strip_for_caller(endpoint: str, caller_body: dict[str, Any], payload: dict[str, Any]) -> dict[str, Any]:
+    """Remove what the caller did not ask for from a response or stream chunk."""
+    want_ids = bool(caller_body.get("return_token_ids"))
+    if endpoint == "completions":  # logprobs=0 asks for the sampled token's logprob
+        want_logprobs = caller_body.get("logprobs") is not None
+    else:
+        want_logprobs = bool(caller_body.get("logprobs"))
+    if want_logprobs and want_ids:
+        return payload
+    out = copy.copy(payload)
+    if not want_ids:
+        out.pop("prompt_token_ids", None)
+    choices = []
+    for c in out.get("choices") or []:
+        c = dict(c)
+        if not want_ids:
+            c.pop("token_ids", None)
+            c.pop("prompt_token_ids", None)
+        if not want_logprobs and "logprobs" in c:
+            c["logprobs"] = None
+        choices.append(c)
+    if "choices" in out:
+        out["choices"] = choices
+    return out
+
+
+def _chat_logprobs(choice: dict[str, Any]) -> list[float] | None:
+    content = (choice.get("logprobs") or {}).get("content")
+    if content is None:
+        return None
+    return [float(e["logprob"]) for e in content]
+
+
+def completions_from_response(endpoint: str, response: dict[str, Any]) -> tuple[list[int], list[CompletionRecord]]:
+    """Prompt token ids and one record per choice of a (non-streamed or assembled) response."""
+    records = []
+    prompt_ids = response.get("prompt_token_ids") or []
+    for c in response.get("choices") or []:
+        if endpoint == "chat.completions":
+            message = c.get("message") or {}
+            records.append(CompletionRecord(
+                index=c.get("index", 0), token_ids=c.get("token_ids") or [],
+                logprobs=_chat_logprobs(c), text=message.get("content") or "",
+                finish_reason=c.get("finish_reason"), tool_calls=message.get("tool_calls") or None,
+            ))
+        else:
+            lp = (c.get("logprobs") or {}).get("token_logprobs")
+            prompt_ids = prompt_ids or c.get("prompt_token_ids") or []
+            records.append(CompletionRecord(
+                index=c.get("index", 0), token_ids=c.get("token_ids") or [],
+                logprobs=[float(x) for x in lp] if lp is not None else None, text=c.get("text") or "",
+                finish_reason=c.get("finish_reason"),
+            ))
+    return list(prompt_ids), records
+
+
+class StreamAssembler:
+    """Rebuilds a chat completion response from its stream chunks."""
+
+    def __init__(self) -> None:
+        self.base: dict[str, Any] = {}
+        self.prompt_token_ids: list[int] = []
+        self.choices: dict[int, dict[str, Any]] = {}
+        self.usage: dict[str, Any] | None = None
+
+    def add(self, chunk: dict[str, Any]) -> None:
+        if not self.base:
+            self.base = {k: chunk.get(k) for k in ("id", "created", "model")}
+        if chunk.get("prompt_token_ids"):
+            self.prompt_token_ids = list(chunk["prompt_token_ids"])
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        for c in chunk.get("choices") or []:
+            acc = self.choices.setdefault(c.get("index", 0), {
+                "content": [], "token_ids": [], "logprobs": [], "tool_calls": {}, "finish_reason": None})
+            delta = c.get("delta") or {}
+            if delta.get("content"):
+                acc["content"].append(delta["content"])
+            for tc in delta.get("tool_calls") or []:
+                slot = acc["tool_calls"].setdefault(tc.get("index", 0), {
+                    "id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+                if tc.get("id"):
+                    slot["id"] = tc["id"]
+                fn = tc.get("function") or {}
+                slot["function"]["name"] += fn.get("name") or ""
+                slot["function"]["arguments"] += fn.get("arguments") or ""
+            acc["token_ids"].extend(c.get("token_ids") or [])
+            for e in (c.get("logprobs") or {}).get("content") or []:
+                acc["logprobs"].append(e)
+            if c.get("finish_reason"):
+                acc["finish_reason"] = c["finish_reason"]
+
+    def response(self) -> dict[str, Any]:
+        choices = []
+        for index, acc in sorted(self.choices.items()):
+            message: dict[str, Any] = {"role": "assistant", "content": "".join(acc["content"]) or None}
+            if acc["tool_calls"]:
+                message["tool_calls"] = [acc["tool_calls"][k] for k in sorted(acc["tool_calls"])]
+            choices.append({"index": index, "message": message, "finish_reason": acc["finish_reason"],
+                            "logprobs": {"content": acc["logprobs"]}, "token_ids": acc["token_ids"]})
+        return {**self.base, "object": "chat.completion", "choices": choices,
+                "usage": self.usage, "prompt_token_ids": self.prompt_token_ids}
+
+
+def build_call(*, endpoint: str, caller_body: dict[str, Any], response: dict[str, Any] | None,
+               rollout_id: str | None, model: str, adapter_step: int | None, latency_s: float,
+               streamed: bool, error: str | None = None) -> LLMCall:
+    prompt_ids, completions = completions_from_response(endpoint, response) if response else ([], [])
+    temperature = caller_body.get("temperature")
+    request = {k: v for k, v in caller_body.items() if k not in ("stream_options",)}
+    return LLMCall(
+        id="call-" + uuid.uuid4().hex, rollout_id=rollout_id, endpoint=endpoint, model=model,
+        adapter_step=adapter_step, request=request, response=response,
+        prompt_token_ids=prompt_ids, completions=completions,
+        temperature=1.0 if temperature is None else float(temperature),
+        streamed=streamed, latency_s=latency_s, created_at=time.time(), error=error,
+    )
+
+
+class CallStore:
+    """Recorded calls per rollout: in memory until fetched, and appended to disk as they come."""
+
+    def __init__(self) -> None:
+        self._calls: dict[tuple[str, str], list[LLMCall]] = defaultdict(list)
+        self._lock = threading.Lock()
+
+    def add(self, store: ModelStore, call: LLMCall) -> None:
+        rid = call.rollout_id or UNATTRIBUTED
+        append_jsonl(store.calls_path(rid), call.model_dump(mode="json"))
+        if call.rollout_id is not None:
+            with self._lock:
+                self._calls[(store.name, rid)].append(call)
+
+    def take(self, store: ModelStore, rollout_id: str) -> list[LLMCall]:
+        """The calls of a rollout (from memory, else from disk after a restart)."""
+        with self._lock:
+            calls = self._calls.pop((store.name, rollout_id), None)
+        if calls is not None:
+            return calls
+        from ..core.storage import read_jsonl
+
+        path = store.calls_path(rollout_id)
+        return [LLMCall.model_validate(r) for r in read_jsonl(path)] if path.exists() else []

@@ -1,0 +1,42 @@
+"""Tool-call parsing of generated text for engines without a parser of their own.
+
+The ``hermes`` format (Qwen2.5, Hermes, many others) is what vLLM's ``hermes`` parser reads:
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def parse_hermes(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """Split ``text`` into its plain content and OpenAI-style tool calls.
+
+    A block that is not valid JSON with a ``name`` stays in the content, as vLLM does.
+    """
+    calls = []
+    kept = text
+    for match in _HERMES.finditer(text):
+        try:
+            payload = json.loads(match.group(1))
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
+            continue
+        args = payload.get("arguments", payload.get("parameters", {}))
+        calls.append({
+            "id": "call_" + uuid.uuid4().hex[:24],
+            "type": "function",
+            "function": {"name": payload["name"],
+                         "arguments": args if isinstance(args, str) else json.dumps(args)},
+        })
+        kept = kept.replace(match.group(0), "")
+    return (kept.strip() if calls else text), calls
+
+
+PARSERS = {"hermes": parse_hermes}

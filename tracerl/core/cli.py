@@ -1,0 +1,78 @@
+"""The ``tracerl`` command line. Each sub-command imports only what it needs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+
+def _cmd_plugins(args: argparse.Namespace) -> int:
+    from .hookspecs import HOOKSPEC_VERSION
+    from .plugins import collect_classes, list_plugins
+
+    print(f"tracerl plugin API {HOOKSPEC_VERSION}")
+    for p in list_plugins():
+        origin = f"{p.distribution} {p.version}" if p.distribution else "registered at run time"
+        print(f"{p.name:24} {p.module:45} {origin}")
+        if args.verbose:
+            for h in p.hooks:
+                print(f"{'':26}{h}")
+    engines = collect_classes("tracerl_engines")
+    print("engines: " + ", ".join(
+        f"{n}{'' if cls.available() else ' (unavailable)'}" for n, cls in sorted(engines.items())))
+    backends = collect_classes("tracerl_backends")
+    print("backends: " + ", ".join(sorted(backends)))
+    return 0
+
+
+def _cmd_prepare_model(args: argparse.Namespace) -> int:
+    from ..backend.weights import resolve_base_model
+
+    print(resolve_base_model(args.base_model))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from ..demo import run_demo
+
+    return run_demo(steps=args.steps, engine=args.engine, base_path=args.base_path,
+                    group_size=args.group_size, groups_per_step=args.groups)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tracerl", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plugins", help="list loaded plugins, engines and backends")
+    p.add_argument("-v", "--verbose", action="store_true", help="show each plugin's hooks")
+    p.set_defaults(func=_cmd_plugins)
+
+    p = sub.add_parser("prepare-model", help="resolve/convert a base model and print its folder")
+    p.add_argument("base_model", nargs="?", default="smollm2")
+    p.set_defaults(func=_cmd_prepare_model)
+
+    p = sub.add_parser("demo", help="train SmolLM2-135M with GRPO on CPU on a verifiable task")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--engine", default="auto", help="auto, vllm or transformers")
+    p.add_argument("--group-size", type=int, default=None)
+    p.add_argument("--groups", type=int, default=None, help="groups per step")
+    p.add_argument("--base-path", default=".tracerl")
+    p.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    from .errors import TracerlError
+
+    try:
+        return func(args)
+    except TracerlError as e:
+        print(f"tracerl: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

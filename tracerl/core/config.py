@@ -1,0 +1,67 @@
+"""Training, LoRA and engine configuration."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .errors import ConfigError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TrainConfig(_Strict):
+    """Hyper-parameters of one GRPO training step (ART-compatible names)."""
+
+    learning_rate: float = Field(5e-6, gt=0, le=1.0)
+    beta: float = Field(0.0, ge=0, description="KL coefficient against the base model (0 = off)")
+    epsilon: float = Field(0.2, gt=0, description="lower clip range of the importance ratio")
+    epsilon_high: float | None = Field(None, gt=0, description="upper clip range (default: epsilon)")
+    scale_rewards: bool = Field(True, description="divide advantages by the group's reward std")
+    loss_normalization: Literal["token", "sequence"] = "token"
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    micro_batch_tokens: int = Field(4096, ge=16, description="tokens per packed micro-batch")
+    num_epochs: int = Field(1, ge=1, description="passes over the step's data")
+    gradient_checkpointing: bool = False
+    weight_decay: float = Field(0.0, ge=0)
+    seed: int | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.epsilon_high is not None and self.epsilon_high < self.epsilon * 0.1:
+            raise ConfigError("epsilon_high is implausibly small compared with epsilon")
+        return self
+
+
+class LoraConfig(_Strict):
+    """The LoRA adapter trained for the model."""
+
+    r: int = Field(8, ge=1, le=1024)
+    alpha: int = Field(16, ge=1)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                 "gate_proj", "up_proj", "down_proj"]
+    )
+
+
+class EngineConfig(_Strict):
+    """How the backend serves the model."""
+
+    engine: str = Field("auto", description="'vllm', 'transformers' or 'auto' (vLLM when available)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: int = Field(2048, ge=64)
+    max_num_seqs: int = Field(32, ge=1)
+    tool_call_parser: str | None = Field(None, description="vLLM tool parser, e.g. 'hermes'")
+    request_timeout_s: float = Field(300.0, gt=0)
+    extra_args: list[str] = Field(default_factory=list, description="extra vLLM server flags")
+
+
+class ModelConfig(_Strict):
+    """Everything about a trainable model that is not its name."""
+
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)

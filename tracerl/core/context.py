@@ -1,0 +1,82 @@
+"""The rollout context: which rollout the running code belongs to.
+
+It lives in a :class:`contextvars.ContextVar`, so it follows the code into asyncio tasks
+(tasks copy the context when created), ``asyncio.to_thread`` and :class:`ContextThreadPoolExecutor`.
+Concurrent rollouts therefore never see each other's id, and every LLM call made through
+``model.openai_client()`` is attributed to the rollout that made it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+ROLLOUT_HEADER = "x-rollout-id"
+
+
+@dataclass
+class RolloutContext:
+    """State of one running rollout."""
+
+    rollout_id: str
+    group_index: int | None = None
+    index: int | None = None
+    started_at: float = field(default_factory=time.time)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    # Models whose endpoint this rollout called; their calls are attached at the end.
+    models: dict[int, Any] = field(default_factory=dict)
+
+    def touch(self, model: Any) -> None:
+        """Note that this rollout talked to ``model``'s endpoint."""
+        self.models.setdefault(id(model), model)
+
+
+_current: contextvars.ContextVar[RolloutContext | None] = contextvars.ContextVar(
+    "tracerl_rollout", default=None
+)
+
+
+def new_rollout_id() -> str:
+    return "ro-" + uuid.uuid4().hex
+
+
+def current_rollout() -> RolloutContext | None:
+    """The rollout the calling code runs in, or None outside any rollout."""
+    return _current.get()
+
+
+@contextmanager
+def rollout_scope(
+    rollout_id: str | None = None, *, index: int | None = None,
+    group_index: int | None = None, **metadata: Any,
+) -> Iterator[RolloutContext]:
+    """Run a block as one rollout: every LLM call inside it is attributed to ``rollout_id``."""
+    ctx = RolloutContext(
+        rollout_id=rollout_id or new_rollout_id(), index=index,
+        group_index=group_index, metadata=dict(metadata),
+    )
+    token = _current.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _current.reset(token)
+
+
+class ContextThreadPoolExecutor(ThreadPoolExecutor):
+    """A thread pool whose tasks run in a copy of the submitter's context.
+
+    The standard executor runs every task in the worker thread's own (empty) context, which
+    would lose the rollout id; use this one for sync tool code that calls the LLM.
+    """
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:  # type: ignore[override]
+        ctx = contextvars.copy_context()
+        return super().submit(ctx.run, fn, *args, **kwargs)

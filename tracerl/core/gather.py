@@ -1,0 +1,242 @@
+"""Running rollouts concurrently: ``gather_trajectory_groups`` and awaitable groups.
+
+Each rollout runs in its own task with its own rollout context, under a timeout, so a stuck
+rollout becomes a recorded :class:`RolloutTimeoutError` instead of a silent hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import math
+import sys
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from .context import RolloutContext, _current, new_rollout_id
+from .errors import RolloutTimeoutError, TooManyExceptionsError
+from .trajectory import RolloutException, Trajectory, TrajectoryGroup
+
+DEFAULT_ROLLOUT_TIMEOUT_S = 600.0
+
+AfterEach = Callable[[TrajectoryGroup], Awaitable[TrajectoryGroup | list[TrajectoryGroup] | None]]
+
+
+@dataclass
+class GatherContext:
+    """Progress and failure accounting shared by the rollouts of one gather call."""
+
+    total: int
+    max_exceptions: int | float = 0
+    rollout_timeout: float | None = DEFAULT_ROLLOUT_TIMEOUT_S
+    desc: str = "gather"
+    show_progress: bool = True
+    done: int = 0
+    exceptions: list[RolloutException] = field(default_factory=list)
+    reward_sum: float = 0.0
+    rewarded: int = 0
+    _bar: Any = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_exceptions, bool) or self.max_exceptions < 0:
+            raise ValueError(f"max_exceptions must be a count >= 0 or a fraction, got {self.max_exceptions!r}")
+        if self.show_progress:
+            self._bar = tqdm(total=self.total, desc=self.desc, file=sys.stderr, dynamic_ncols=True)
+
+    @property
+    def allowed_exceptions(self) -> float:
+        m = self.max_exceptions
+        if isinstance(m, float) and 0 < m < 1:
+            return math.floor(m * self.total)
+        return m
+
+    def record(self, trajectory: Trajectory | None = None, exc: RolloutException | None = None) -> None:
+        self.done += 1
+        if trajectory is not None:
+            self.reward_sum += trajectory.reward
+            self.rewarded += 1
+        if exc is not None:
+            self.exceptions.append(exc)
+        if self._bar is not None:
+            postfix = {"reward": f"{self.reward_sum / max(self.rewarded, 1):.3f}"}
+            if self.exceptions:
+                postfix["exceptions"] = str(len(self.exceptions))
+            self._bar.set_postfix(postfix, refresh=False)
+            self._bar.update(1)
+
+    def check_exceptions(self) -> None:
+        if len(self.exceptions) > self.allowed_exceptions:
+            first = self.exceptions[0]
+            raise TooManyExceptionsError(
+                f"{len(self.exceptions)} of {self.total} rollouts failed, more than max_exceptions="
+                f"{self.max_exceptions!r} allows; first: {first.type}: {first.message}\n{first.traceback}"
+            )
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+_gather_ctx: contextvars.ContextVar[GatherContext | None] = contextvars.ContextVar(
+    "tracerl_gather", default=None
+)
+
+
+async def _attach_calls(trajectory: Trajectory, rollout: RolloutContext) -> None:
+    """Attach the gateway's token records of this rollout to its trajectory."""
+    if trajectory.llm_calls:
+        return
+    calls = []
+    for model in rollout.models.values():
+        calls.extend(await model.fetch_calls(rollout.rollout_id))
+    calls.sort(key=lambda c: c.created_at)
+    trajectory.llm_calls = calls
+
+
+async def finish_rollout(trajectory: Any, rollout: RolloutContext) -> Trajectory:
+    """Validate a rollout's result, stamp it with its rollout id and attach its LLM calls."""
+    import time
+
+    from .plugins import get_plugin_manager
+
+    if not isinstance(trajectory, Trajectory):
+        raise TypeError(
+            f"a rollout must return a tracerl.Trajectory, got {type(trajectory).__name__}"
+        )
+    trajectory.rollout_id = rollout.rollout_id
+    if trajectory.end_time is None:
+        trajectory.end_time = time.time()
+    await _attach_calls(trajectory, rollout)
+    get_plugin_manager().hook.tracerl_on_trajectory_end(trajectory=trajectory)
+    return trajectory
+
+
+async def _run_rollout(
+    awaitable: Awaitable[Trajectory], timeout: float | None, index: int, group_index: int | None
+) -> Trajectory:
+    rollout = RolloutContext(rollout_id=new_rollout_id(), index=index, group_index=group_index)
+    _current.set(rollout)  # this coroutine runs in a task of its own, in a copied context
+
+    async def drive() -> Any:
+        return await awaitable
+
+    try:
+        result = await asyncio.wait_for(drive(), timeout)
+    except TimeoutError:
+        raise RolloutTimeoutError(
+            f"rollout {index} of group {group_index} ({rollout.rollout_id}) did not finish "
+            f"within {timeout} s (rollout_timeout)"
+        ) from None
+    return await finish_rollout(result, rollout)
+
+
+class PendingTrajectoryGroup:
+    """What ``TrajectoryGroup(rollout_coroutines)`` returns: await it to run the rollouts."""
+
+    def __init__(self, awaitables: list[Awaitable[Trajectory]], *, exceptions: Iterable[Any] = (),
+                 metadata: dict[str, Any] | None = None) -> None:
+        self.awaitables = awaitables
+        self.exceptions = list(exceptions)
+        self.metadata = metadata or {}
+
+    def __len__(self) -> int:
+        return len(self.awaitables)
+
+    def __await__(self):
+        return self.run().__await__()
+
+    async def run(self, group_index: int | None = None) -> TrajectoryGroup:
+        gather = _gather_ctx.get()
+        own = gather is None
+        if gather is None:  # awaited on its own: keep every exception, raise none
+            gather = GatherContext(total=len(self.awaitables), max_exceptions=math.inf,
+                                   show_progress=False)
+        tasks = []
+        for i, aw in enumerate(self.awaitables):
+            ctx = contextvars.copy_context()
+            tasks.append(asyncio.create_task(
+                _run_rollout(aw, gather.rollout_timeout, i, group_index), context=ctx))
+        trajectories: list[Trajectory] = []
+        exceptions = list(self.exceptions)
+        try:
+            for task in tasks:
+                try:
+                    traj = await asyncio.shield(task)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:
+                    exc = RolloutException.from_exception(e)
+                    exceptions.append(exc)
+                    gather.record(exc=exc)
+                    gather.check_exceptions()
+                else:
+                    trajectories.append(traj)
+                    gather.record(trajectory=traj)
+        finally:
+            for task in tasks:
+                task.cancel()
+            if own:
+                gather.close()
+        return TrajectoryGroup(trajectories, exceptions=exceptions, metadata=self.metadata)
+
+
+async def _await_group(group: Any, index: int, after_each: AfterEach | None) -> list[TrajectoryGroup]:
+    if isinstance(group, PendingTrajectoryGroup):
+        result = await group.run(group_index=index)
+    else:
+        result = await group
+    if after_each is None:
+        return [result]
+    scored = await after_each(result)
+    if scored is None:
+        return []
+    return scored if isinstance(scored, list) else [scored]
+
+
+async def gather_trajectory_groups(
+    groups: Iterable[Awaitable[TrajectoryGroup]],
+    *,
+    pbar_desc: str = "gather",
+    max_exceptions: int | float = 0,
+    after_each: AfterEach | None = None,
+    rollout_timeout: float | None = DEFAULT_ROLLOUT_TIMEOUT_S,
+    show_progress: bool = True,
+) -> list[TrajectoryGroup]:
+    """Run groups of rollouts concurrently and return their groups in input order.
+
+    ``max_exceptions``: how many rollouts may fail (an int, or a fraction of all rollouts such as
+    0.1) before the whole gather fails with :class:`TooManyExceptionsError`; failed rollouts are
+    kept in ``group.exceptions``. ``after_each`` gets each finished group (e.g. a RULER judge) and
+    returns the group to keep, a list of groups, or None to drop it. ``rollout_timeout`` bounds
+    every rollout (None: no bound).
+    """
+    groups = list(groups)
+    total = sum(len(g) if isinstance(g, PendingTrajectoryGroup) else 1 for g in groups)
+    gather = GatherContext(total=total, max_exceptions=max_exceptions,
+                           rollout_timeout=rollout_timeout, desc=pbar_desc, show_progress=show_progress)
+    token = _gather_ctx.set(gather)
+    tasks = [asyncio.create_task(_await_group(g, i, after_each)) for i, g in enumerate(groups)]
+    try:
+        if tasks:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for t in done:
+                if t.exception() is not None:
+                    raise t.exception()  # type: ignore[misc]
+        return [g for t in tasks for g in t.result()]
+    finally:
+        for t in tasks:
+            t.cancel()
+        _gather_ctx.reset(token)
+        gather.close()
+
+
+async def gather_trajectories(
+    trajectories: Iterable[Awaitable[Trajectory]], **kwargs: Any
+) -> list[Trajectory]:
+    """Run rollouts that form no groups; failed ones are dropped within ``max_exceptions``."""
+    group = TrajectoryGroup(list(trajectories))
+    (result,) = await gather_trajectory_groups([group], **kwargs)
+    return result.trajectories

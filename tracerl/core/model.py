@@ -1,0 +1,182 @@
+"""``Model`` and ``TrainableModel``: the user-facing handle of a model (ART-compatible)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import openai
+
+from . import client as _client
+from .config import ModelConfig, TrainConfig
+from .errors import InvalidTrajectoryError, NotRegisteredError
+from .metrics import summarize_groups
+from .plugins import get_plugin_manager
+from .storage import validate_name
+from .trajectory import LLMCall, Trajectory, TrajectoryGroup
+
+if TYPE_CHECKING:
+    from ..backend.base import Backend
+
+
+def _as_groups(items: Iterable[Trajectory | TrajectoryGroup]) -> list[TrajectoryGroup]:
+    items = list(items)
+    if all(isinstance(i, Trajectory) for i in items) and items:
+        return [TrajectoryGroup(items)]
+    for i, g in enumerate(items):
+        if not isinstance(g, TrajectoryGroup):
+            raise InvalidTrajectoryError(
+                f"item {i} is a {type(g).__name__}; pass TrajectoryGroups (or a list of Trajectories). "
+                "Did you forget to await gather_trajectory_groups(...)?"
+            )
+    return items
+
+
+class Model:
+    """A model served through a backend; base class of :class:`TrainableModel`."""
+
+    trainable = False
+
+    def __init__(self, *, name: str, project: str, entity: str | None = None,
+                 base_model: str | None = None, config: ModelConfig | None = None,
+                 inference_base_url: str | None = None, inference_api_key: str | None = None,
+                 inference_model_name: str | None = None) -> None:
+        self.name = validate_name("model", name)
+        self.project = validate_name("project", project)
+        self.entity = entity
+        self.base_model = base_model
+        self.config = config or ModelConfig()
+        self.inference_base_url = inference_base_url
+        self.inference_api_key = inference_api_key
+        self.inference_model_name = inference_model_name
+        self._backend: Backend | None = None
+        self._clients: dict[Any, Any] = {}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, project={self.project!r}, base_model={self.base_model!r})"
+
+    # --- registration and inference --------------------------------------------------------
+
+    async def register(self, backend: Backend) -> None:
+        """Attach the model to ``backend``: it is then served and (if trainable) trainable."""
+        endpoint = await backend.register(self)
+        self._backend = backend
+        self.inference_base_url = endpoint.base_url
+        self.inference_api_key = endpoint.api_key
+        self.inference_model_name = endpoint.model_name
+        self._clients.clear()
+
+    @property
+    def backend(self) -> Backend:
+        if self._backend is None:
+            raise NotRegisteredError(f"{self!r} is not registered; call `await model.register(backend)` first")
+        return self._backend
+
+    def _endpoint(self) -> tuple[str, str]:
+        if not self.inference_base_url:
+            raise NotRegisteredError(
+                f"{self!r} has no inference endpoint; call `await model.register(backend)` first"
+            )
+        return self.inference_base_url, self.inference_api_key or "tracerl"
+
+    def get_inference_name(self, step: int | None = None) -> str:
+        """The served model name: ``name`` (newest step) or ``name@step``."""
+        base = self.inference_model_name or self.name
+        return base if step is None else f"{base}@{step}"
+
+    def openai_client(self, **kwargs: Any) -> openai.AsyncOpenAI:
+        """An AsyncOpenAI client for this model's endpoint, attributing calls to the current
+        rollout. One client per event loop (clients cannot outlive their loop)."""
+        base_url, api_key = self._endpoint()
+        loop = asyncio.get_running_loop() if _has_loop() else None
+        key = ("async", id(loop), tuple(sorted(kwargs.items())))
+        client = self._clients.get(key)
+        if client is None:
+            client = _client.async_client(self, base_url, api_key, **kwargs)
+            self._clients[key] = client
+        return client
+
+    def sync_openai_client(self, **kwargs: Any) -> openai.OpenAI:
+        """A sync OpenAI client, for sync agent code; attribution works the same way."""
+        base_url, api_key = self._endpoint()
+        key = ("sync", tuple(sorted(kwargs.items())))
+        if key not in self._clients:
+            self._clients[key] = _client.sync_client(self, base_url, api_key, **kwargs)
+        return self._clients[key]
+
+    async def fetch_calls(self, rollout_id: str) -> list[LLMCall]:
+        """The token records the backend holds for ``rollout_id``."""
+        if self._backend is None:
+            return []
+        return await self._backend.fetch_calls(self, rollout_id)
+
+    # --- logging ---------------------------------------------------------------------------
+
+    async def get_step(self) -> int:
+        """The newest trained step (0 before the first)."""
+        return await self.backend.get_step(self)
+
+    async def log(self, trajectories: Iterable[Trajectory | TrajectoryGroup],
+                  split: str = "val", metrics: dict[str, float] | None = None) -> dict[str, float]:
+        """Save trajectories and their metrics for the current step; send them to loggers."""
+        validate_name("split", split)
+        groups = _as_groups(trajectories)
+        step = await self.get_step()
+        summary = {**summarize_groups(groups), **(metrics or {})}
+        await self.backend.log(self, groups, split, step, summary)
+        hook = get_plugin_manager().hook
+        hook.tracerl_log_metrics(model=self, step=step, split=split, metrics=summary)
+        hook.tracerl_log_trajectories(model=self, step=step, split=split, groups=groups)
+        return summary
+
+    async def history(self) -> list[dict[str, Any]]:
+        return await self.backend.history(self)
+
+
+def _has_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+class TrainableModel(Model):
+    """A model whose LoRA adapter is trained with GRPO on its own trajectories."""
+
+    trainable = True
+
+    def __init__(self, *, name: str, project: str, base_model: str, **kwargs: Any) -> None:
+        if not base_model:
+            raise InvalidTrajectoryError("TrainableModel needs base_model (a path or model id)")
+        super().__init__(name=name, project=project, base_model=base_model, **kwargs)
+
+    async def train(self, trajectory_groups: Iterable[TrajectoryGroup],
+                    config: TrainConfig | None = None, *, verbose: bool = False) -> dict[str, float]:
+        """Run one GRPO step on the groups; the trajectories are saved first. Returns metrics."""
+        config = config or TrainConfig()
+        groups = _as_groups(trajectory_groups)
+        if not groups:
+            raise InvalidTrajectoryError("train() got no trajectory groups")
+        final: dict[str, float] = {}
+        async for progress in self.backend.train(self, groups, config):
+            final = progress
+            if verbose:
+                print(f"[tracerl] {self.name}: " + ", ".join(
+                    f"{k}={v:.4g}" for k, v in progress.items()), file=sys.stderr)
+        return final
+
+    async def delete_checkpoints(self, best_checkpoint_metric: str | None = None,
+                                 *, split: str = "val", keep_last: int = 1) -> list[int]:
+        """Keep the newest ``keep_last`` checkpoints (and the best by ``best_checkpoint_metric``
+        in ``split``); delete the rest. Returns the deleted steps."""
+        latest = await self.get_step()
+        keep = {s for s in range(max(latest - keep_last + 1, 0), latest + 1)}
+        if best_checkpoint_metric:
+            scored = [h for h in await self.history()
+                      if h.get("split") == split and best_checkpoint_metric in h]
+            if scored:
+                keep.add(max(scored, key=lambda h: h[best_checkpoint_metric])["step"])
+        return await self.backend.delete_checkpoints(self, keep)

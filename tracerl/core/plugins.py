@@ -1,0 +1,150 @@
+"""The plugin manager: loads plugins from the ``tracerl`` entry-point group.
+
+Environment:
+    ``TRACERL_BLOCK_PLUGINS``  comma-separated plugin names never to load
+    ``TRACERL_TRACE_PLUGINS``  set to 1 to print every hook call
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import pluggy
+
+from . import hookspecs
+from .errors import PluginError
+
+ENTRY_POINT_GROUP = "tracerl"
+
+_lock = threading.Lock()
+_manager: pluggy.PluginManager | None = None
+_dist_info: dict[str, tuple[str | None, str | None]] = {}
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    name: str
+    module: str
+    distribution: str | None
+    version: str | None
+    hooks: list[str]
+
+
+def _check_api(name: str, plugin: Any) -> None:
+    wanted = getattr(plugin, "TRACERL_PLUGIN_API", hookspecs.HOOKSPEC_VERSION)
+    if not isinstance(wanted, int) or wanted > hookspecs.HOOKSPEC_VERSION:
+        raise PluginError(
+            f"plugin {name!r} needs tracerl plugin API {wanted!r}, but this tracerl provides "
+            f"{hookspecs.HOOKSPEC_VERSION}; upgrade tracerl or pin an older plugin"
+        )
+
+
+def _load_entry_points(pm: pluggy.PluginManager) -> None:
+    blocked = {b.strip() for b in os.environ.get("TRACERL_BLOCK_PLUGINS", "").split(",") if b.strip()}
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in blocked or pm.get_plugin(ep.name) is not None or pm.is_blocked(ep.name):
+            continue
+        try:
+            plugin = ep.load()
+        except Exception as e:
+            raise PluginError(f"plugin {ep.name!r} ({ep.value}) failed to import: {e}") from e
+        _check_api(ep.name, plugin)
+        pm.register(plugin, name=ep.name)
+        dist = ep.dist
+        _dist_info[ep.name] = (dist.name if dist else None, dist.version if dist else None)
+    for name in blocked:
+        pm.set_blocked(name)
+
+
+def _new_manager() -> pluggy.PluginManager:
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    _load_entry_points(pm)
+    if not any(dist == "tracerl" for dist, _ in _dist_info.values()):
+        print("tracerl: warning: the tracerl distribution is not installed (no entry points); "
+              "built-in plugins are missing. Run `pip install -e .`", file=sys.stderr)
+    pm.check_pending()
+    if os.environ.get("TRACERL_TRACE_PLUGINS") == "1":
+        pm.trace.root.setwriter(lambda s: print(s, end="", file=sys.stderr))
+        pm.enable_tracing()
+    return pm
+
+
+def get_plugin_manager() -> pluggy.PluginManager:
+    """The process-wide plugin manager, created (and entry points loaded) on first use."""
+    global _manager
+    with _lock:
+        if _manager is None:
+            _manager = _new_manager()
+        return _manager
+
+
+def reset_plugin_manager() -> None:
+    """Forget the manager so the next use reloads entry points (tests, plugin development)."""
+    global _manager
+    with _lock:
+        _manager = None
+
+
+def register(plugin: Any, name: str | None = None) -> str:
+    """Register a plugin object or module at run time (for code that is not packaged)."""
+    pm = get_plugin_manager()
+    _check_api(name or repr(plugin), plugin)
+    result = pm.register(plugin, name=name)
+    if result is None:
+        raise PluginError(f"plugin {name or plugin!r} is blocked or already registered")
+    return result
+
+
+def list_plugins() -> list[PluginInfo]:
+    pm = get_plugin_manager()
+    out = []
+    for name, plugin in pm.list_name_plugin():
+        if plugin is None:
+            continue
+        dist, version = _dist_info.get(name, (None, None))
+        hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or [])
+        module = plugin.__name__ if inspect.ismodule(plugin) else type(plugin).__module__
+        out.append(PluginInfo(
+            name=name, module=module,
+            distribution=dist, version=version,
+            hooks=hooks,
+        ))
+    return sorted(out, key=lambda p: p.name)
+
+
+def collect_classes(hook_name: str) -> dict[str, type]:
+    """Gather the classes returned by a list-returning hook (engines, backends), keyed by name."""
+    pm = get_plugin_manager()
+    found: dict[str, type] = {}
+    for result in getattr(pm.hook, hook_name)():
+        for cls in result or []:
+            name = getattr(cls, "name", None)
+            if not name:
+                raise PluginError(f"{hook_name} returned {cls!r} without a 'name'")
+            if name in found and found[name] is not cls:
+                raise PluginError(f"two plugins provide {hook_name[8:-1]} {name!r}: "
+                                  f"{found[name].__module__} and {cls.__module__}")
+            found[name] = cls
+    return found
+
+
+async def await_maybe(value: Any) -> Any:
+    """Await ``value`` if it is awaitable (hooks may return coroutines)."""
+    if inspect.isawaitable(value):
+        return await value
+    return value
+
+
+async def score_group(group: Any, judge: str | None = None) -> Any:
+    """Score ``group`` with the first judge plugin that accepts it (``judge`` names one)."""
+    result = get_plugin_manager().hook.tracerl_score_group(group=group, judge=judge)
+    if result is None:
+        raise PluginError(f"no judge plugin scores groups (judge={judge!r}); see `tracerl plugins`")
+    return await await_maybe(result)

@@ -1,0 +1,305 @@
+"""The data model: token-exact LLM call records, trajectories and groups of them.
+
+Everything round-trips losslessly through JSON (``to_json`` / ``from_json``) and JSONL files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import traceback
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Literal
+
+from openai.types.chat.chat_completion import Choice
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
+
+from .errors import InvalidTrajectoryError
+
+MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+
+def _check_finite(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidTrajectoryError(f"{name} must be a number, got {type(value).__name__}: {value!r}")
+    if not math.isfinite(value):
+        raise InvalidTrajectoryError(f"{name} must be finite, got {value!r}")
+    return float(value)
+
+
+class _Validated(BaseModel):
+    """Raises :class:`InvalidTrajectoryError` (naming the field) instead of pydantic's error."""
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise InvalidTrajectoryError(f"invalid {type(self).__name__}: {e}") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as e:
+            raise InvalidTrajectoryError(f"invalid {type(self).__name__}.{name}: {e}") from None
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Any:
+        try:
+            return cls.model_validate_json(text)
+        except ValidationError as e:
+            raise InvalidTrajectoryError(f"invalid {cls.__name__} JSON: {e}") from None
+
+    def to_json(self) -> str:
+        return self.model_dump_json()
+
+
+class CompletionRecord(_Validated):
+    """One sampled completion of a call, exactly as the engine produced it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    index: int = 0
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    text: str = ""
+    finish_reason: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _lengths_match(self) -> CompletionRecord:
+        if any(t < 0 for t in self.token_ids):
+            raise InvalidTrajectoryError("completion token ids must be non-negative")
+        if self.logprobs is not None:
+            if len(self.logprobs) != len(self.token_ids):
+                raise InvalidTrajectoryError(
+                    f"completion has {len(self.token_ids)} token ids but {len(self.logprobs)} logprobs"
+                )
+            for lp in self.logprobs:
+                if math.isnan(lp) or lp > 1e-4:
+                    raise InvalidTrajectoryError(f"logprob {lp!r} is not a log-probability")
+        return self
+
+
+class LLMCall(_Validated):
+    """A token-exact record of one LLM call made through the gateway."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    rollout_id: str | None = None
+    endpoint: Literal["chat.completions", "completions"] = "chat.completions"
+    model: str = ""
+    adapter_step: int | None = None
+    request: dict[str, Any] = Field(default_factory=dict)
+    response: dict[str, Any] | None = None
+    prompt_token_ids: list[int] = Field(default_factory=list)
+    completions: list[CompletionRecord] = Field(default_factory=list)
+    temperature: float = 1.0
+    streamed: bool = False
+    latency_s: float = 0.0
+    created_at: float = Field(default_factory=time.time)
+    error: str | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+def _to_message_or_choice(item: Any, position: int) -> dict[str, Any] | Choice:
+    """Validate one entry of ``messages_and_choices``; dicts that look like a Choice become one."""
+    if isinstance(item, Choice):
+        return item
+    if isinstance(item, BaseModel):  # e.g. a ChatCompletionMessage
+        item = item.model_dump(exclude_none=True)
+    if not isinstance(item, dict):
+        raise InvalidTrajectoryError(
+            f"messages_and_choices[{position}] must be a message dict or an openai Choice, "
+            f"got {type(item).__name__}"
+        )
+    if "message" in item and "finish_reason" in item:
+        return Choice.model_validate(item)
+    role = item.get("role")
+    if role not in MESSAGE_ROLES:
+        raise InvalidTrajectoryError(
+            f"messages_and_choices[{position}] has unknown role {role!r}; "
+            f"expected one of {sorted(MESSAGE_ROLES)}"
+        )
+    return item
+
+
+class Trajectory(_Validated):
+    """What one rollout did and how well: the ART-compatible trajectory, plus token records."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, validate_assignment=True, extra="forbid")
+
+    messages_and_choices: list[Any] = Field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+    reward: float = 0.0
+    metrics: dict[str, float] = Field(default_factory=dict)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    logs: list[str] = Field(default_factory=list)
+    llm_calls: list[LLMCall] = Field(default_factory=list)
+    rollout_id: str | None = None
+    start_time: float = Field(default_factory=time.time)
+    end_time: float | None = None
+
+    def __init__(self, **data: Any) -> None:
+        if data.get("rollout_id") is None:
+            from .context import current_rollout
+
+            ctx = current_rollout()
+            if ctx is not None:
+                data["rollout_id"] = ctx.rollout_id
+        super().__init__(**data)
+
+    @field_validator("messages_and_choices", mode="before")
+    @classmethod
+    def _validate_messages(cls, value: Any) -> list[Any]:
+        if not isinstance(value, list | tuple):
+            raise InvalidTrajectoryError("messages_and_choices must be a list")
+        return [_to_message_or_choice(item, i) for i, item in enumerate(value)]
+
+    @field_serializer("messages_and_choices")
+    def _serialize_messages(self, value: list[Any]) -> list[dict[str, Any]]:
+        return [v.model_dump(mode="json") if isinstance(v, Choice) else v for v in value]
+
+    @field_validator("reward", mode="before")
+    @classmethod
+    def _validate_reward(cls, value: Any) -> float:
+        return _check_finite("reward", value)
+
+    @field_validator("metrics", mode="before")
+    @classmethod
+    def _validate_metrics(cls, value: Any) -> dict[str, float]:
+        if not isinstance(value, dict):
+            raise InvalidTrajectoryError("metrics must be a dict of name -> number")
+        return {str(k): _check_finite(f"metrics[{k!r}]", float(v) if isinstance(v, bool) else v)
+                for k, v in value.items()}
+
+    @field_validator("metadata", mode="after")
+    @classmethod
+    def _validate_metadata(cls, value: dict[str, Any]) -> dict[str, Any]:
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise InvalidTrajectoryError(f"metadata must be JSON-serialisable: {e}") from None
+        return value
+
+    def log(self, message: str) -> None:
+        """Append a free-text line to the trajectory's logs."""
+        self.logs.append(message)
+
+    def messages(self) -> list[dict[str, Any]]:
+        """The conversation as plain chat messages (choices become assistant messages)."""
+        out = []
+        for item in self.messages_and_choices:
+            if isinstance(item, Choice):
+                out.append(item.message.model_dump(exclude_none=True))
+            else:
+                out.append(item)
+        return out
+
+
+
+class RolloutException(_Validated):
+    """A rollout that raised instead of returning a trajectory."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: str
+    message: str
+    traceback: str = ""
+    rollout_id: str | None = None
+
+    @classmethod
+    def from_exception(cls, exc: BaseException, rollout_id: str | None = None) -> RolloutException:
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        return cls(type=type(exc).__name__, message=str(exc), traceback=tb, rollout_id=rollout_id)
+
+
+_PENDING_ITEMS: dict[int, list[Any]] = {}
+
+
+class TrajectoryGroup(_Validated):
+    """Trajectories of the same scenario, compared with each other by GRPO.
+
+    Like ART, passing awaitables (rollout coroutines) returns an awaitable group: awaiting it runs
+    the rollouts concurrently, each in its own rollout context, and keeps per-rollout exceptions.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    trajectories: list[Trajectory]
+    exceptions: list[RolloutException] = Field(default_factory=list)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    def __new__(cls, trajectories: Iterable[Any] | None = None, *args: Any, **kwargs: Any) -> Any:
+        if trajectories is None or isinstance(trajectories, list):
+            items = trajectories
+        else:
+            items = list(trajectories)
+            _PENDING_ITEMS[id(trajectories)] = items
+        if items and any(hasattr(t, "__await__") for t in items):
+            _PENDING_ITEMS.pop(id(trajectories), None)
+            from .gather import PendingTrajectoryGroup
+
+            return PendingTrajectoryGroup(items, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(
+        self, trajectories: Iterable[Trajectory] | None = None, *,
+        exceptions: Iterable[BaseException | RolloutException | dict[str, Any]] = (),
+        metadata: dict[str, Any] | None = None, **data: Any,
+    ) -> None:
+        if trajectories is None:
+            trajectories = data.pop("trajectories", [])
+        elif not isinstance(trajectories, list):
+            trajectories = _PENDING_ITEMS.pop(id(trajectories), None) or list(trajectories)
+        excs = [
+            RolloutException.from_exception(e) if isinstance(e, BaseException) else e
+            for e in exceptions
+        ]
+        if not trajectories and not excs:
+            raise InvalidTrajectoryError(
+                "a TrajectoryGroup needs at least one trajectory (or the exceptions of its failed rollouts)"
+            )
+        for i, t in enumerate(trajectories):
+            if not isinstance(t, Trajectory | dict):
+                raise InvalidTrajectoryError(
+                    f"trajectories[{i}] is a {type(t).__name__}, not a Trajectory"
+                )
+        super().__init__(trajectories=trajectories, exceptions=excs, metadata=metadata or {}, **data)
+
+    def __len__(self) -> int:
+        return len(self.trajectories)
+
+    def __iter__(self):  # type: ignore[override]
+        return iter(self.trajectories)
+
+
+
+def write_groups_jsonl(path: Path, groups: Iterable[TrajectoryGroup]) -> None:
+    """Write groups to ``path`` atomically, one group per line."""
+    from .storage import atomic_write_text
+
+    atomic_write_text(path, "".join(g.model_dump_json() + "\n" for g in groups))
+
+
+def read_groups_jsonl(path: Path) -> list[TrajectoryGroup]:
+    """Read groups written by :func:`write_groups_jsonl`; a bad line names its number."""
+    groups = []
+    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            groups.append(TrajectoryGroup.from_json(line))
+        except InvalidTrajectoryError as e:
+            raise InvalidTrajectoryError(f"{path}:{lineno}: not a valid trajectory group: {e}") from e
+    return groups
