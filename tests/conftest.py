@@ -7,3 +7,51 @@ import os
 os.environ.setdefault("TRACERL_QUIET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from tracerl.backend.weights import resolve_base_model
+
+    return resolve_base_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+def make_random_lora(base_path: Path, out: Path, seed: int = 1, r: int = 8) -> Path:
+    """A peft adapter with random B matrices, so that it visibly changes the model."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32),
+        LoraConfig(r=r, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+async def tf_backend(tmp_path_factory):
+    import tracerl
+
+    backend = tracerl.LocalBackend(path=tmp_path_factory.mktemp("tf-backend"), engine="transformers")
+    model = tracerl.TrainableModel(name="gw", project="tests", base_model="smollm2",
+                                   config=tracerl.ModelConfig(engine=tracerl.EngineConfig(max_model_len=256)))
+    await model.register(backend)
+    yield backend, model
+    await backend.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx  # noqa: F401 - loaded up front: openai probes it lazily, racily across threads
 import openai
 
 from .context import ROLLOUT_HEADER, current_rollout

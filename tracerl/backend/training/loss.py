@@ -1,0 +1,83 @@
+"""The GRPO loss and per-group advantages (pure functions, tested against TRL).
+
+Per token: ``-min(r * A, clip(r, 1 - eps, 1 + eps_high) * A)`` with the importance ratio
+``r = exp(logp - old_logp)``, plus ``beta * KL`` (the k3 estimator against the reference).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class GroupAdvantages:
+    advantages: list[float]
+    skipped: bool
+
+
+def group_advantages(rewards: list[float], scale: bool, eps: float = 1e-4) -> GroupAdvantages:
+    """Mean-centred (and, if ``scale``, std-scaled) rewards; a zero-variance group is skipped."""
+    n = len(rewards)
+    mean = sum(rewards) / n
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / n)
+    if n < 2 or std < 1e-8:
+        return GroupAdvantages([0.0] * n, skipped=True)
+    return GroupAdvantages([(r - mean) / (std + eps) if scale else r - mean for r in rewards],
+                           skipped=False)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities of ``targets`` under ``softmax(logits / T)``, token by token.
+
+    ``logits`` [B, L, V] predict ``targets`` [B, L]; ``temperatures`` [B, L]. Computed as
+    gathered logit minus logsumexp, which avoids materialising a second [B, L, V] tensor.
+    """
+    scaled = logits.float() / temperatures.unsqueeze(-1)
+    picked = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(scaled, dim=-1)
+
+
+def token_entropy(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    logp = torch.log_softmax(logits.float() / temperatures.unsqueeze(-1), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def grpo_per_token_loss(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, *,
+    epsilon: float, epsilon_high: float | None = None, beta: float = 0.0,
+    ref_logp: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token clipped policy loss [B, L] and the pieces worth logging.
+
+    ``advantages`` is [B] (one per sequence) or [B, L].
+    """
+    eps_high = epsilon if epsilon_high is None else epsilon_high
+    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+    ratio = torch.exp(logp - old_logp)
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + eps_high)
+    loss = -torch.min(ratio * adv, clipped * adv)
+    parts = {"ratio": ratio.detach(), "clipped": ((ratio < 1 - epsilon) | (ratio > 1 + eps_high)).detach()}
+    if beta > 0:
+        if ref_logp is None:
+            raise ValueError("beta > 0 needs reference logprobs")
+        diff = ref_logp - logp
+        kl = torch.exp(diff) - diff - 1
+        loss = loss + beta * kl
+        parts["kl"] = kl.detach()
+    return loss, parts
+
+
+def reduce_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: str, normalizer: float) -> torch.Tensor:
+    """Sum a micro-batch's loss so that summing over micro-batches gives the step's mean.
+
+    ``token``: sum over trained tokens / ``normalizer`` (all trained tokens of the step).
+    ``sequence``: per-sequence token mean, summed / ``normalizer`` (sequences of the step).
+    """
+    mask = mask.to(per_token.dtype)
+    if mode == "token":
+        return (per_token * mask).sum() / normalizer
+    per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    return per_seq.sum() / normalizer

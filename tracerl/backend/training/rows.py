@@ -1,0 +1,144 @@
+"""Training rows from recorded token ids: token-in/token-out, never re-rendered when ids exist.
+
+Consecutive calls of a rollout merge into one row when the earlier prompt + completion is an
+exact token prefix of the later prompt (the usual multi-turn case); otherwise each call is a
+row of its own. Only sampled completion tokens carry loss. Trajectories without token records
+fall back to chat-template rendering, counted in the ``rendered_rows`` metric.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from openai.types.chat.chat_completion import Choice
+
+from ...core.trajectory import LLMCall, Trajectory
+
+NAN = float("nan")
+
+
+@dataclass
+class Row:
+    """One training sequence: tokens, which of them are trained, and the sampling policy's view."""
+
+    input_ids: list[int]
+    loss_mask: list[bool]
+    old_logprobs: list[float]   # per token; NaN where unknown (then recomputed on-policy)
+    temperatures: list[float]   # per token, the temperature it was sampled at
+    advantage: float = 0.0
+    group: int = 0
+    rendered: bool = False
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def trained_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+
+@dataclass
+class RowStats:
+    rows: int = 0
+    merged_calls: int = 0
+    prefix_mismatches: int = 0
+    rendered_rows: int = 0
+    empty_trajectories: int = 0
+    truncated_rows: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def as_metrics(self) -> dict[str, float]:
+        return {"rows": float(self.rows), "merged_calls": float(self.merged_calls),
+                "prefix_mismatches": float(self.prefix_mismatches),
+                "rendered_rows": float(self.rendered_rows),
+                "empty_trajectories": float(self.empty_trajectories),
+                "truncated_rows": float(self.truncated_rows)}
+
+
+def _temperature(call: LLMCall) -> float:
+    return call.temperature if call.temperature and call.temperature > 0 else 1.0
+
+
+def _start_row(call: LLMCall, completion_index: int) -> Row:
+    comp = call.completions[completion_index]
+    n_prompt, n_comp = len(call.prompt_token_ids), len(comp.token_ids)
+    logprobs = comp.logprobs if comp.logprobs is not None else [NAN] * n_comp
+    t = _temperature(call)
+    return Row(
+        input_ids=list(call.prompt_token_ids) + list(comp.token_ids),
+        loss_mask=[False] * n_prompt + [True] * n_comp,
+        old_logprobs=[NAN] * n_prompt + list(logprobs),
+        temperatures=[t] * (n_prompt + n_comp),
+    )
+
+
+def _extend_row(row: Row, call: LLMCall) -> None:
+    """Append the new part of ``call``'s prompt and its first completion to ``row``."""
+    comp = call.completions[0]
+    extra = call.prompt_token_ids[len(row.input_ids):]
+    logprobs = comp.logprobs if comp.logprobs is not None else [NAN] * len(comp.token_ids)
+    t = _temperature(call)
+    row.input_ids += list(extra) + list(comp.token_ids)
+    row.loss_mask += [False] * len(extra) + [True] * len(comp.token_ids)
+    row.old_logprobs += [NAN] * len(extra) + list(logprobs)
+    row.temperatures += [t] * (len(extra) + len(comp.token_ids))
+
+
+def rows_from_calls(calls: list[LLMCall], stats: RowStats) -> list[Row]:
+    """Rows of one trajectory from its recorded calls (merging exact-prefix continuations)."""
+    rows: list[Row] = []
+    current: Row | None = None
+    for call in sorted(calls, key=lambda c: c.created_at):
+        if call.error or not call.completions or not call.prompt_token_ids:
+            continue
+        if len(call.completions) > 1:  # n > 1: every sample is its own row
+            rows.extend(_start_row(call, i) for i in range(len(call.completions)))
+            current = None
+            continue
+        if current is not None and call.prompt_token_ids[:len(current.input_ids)] == current.input_ids:
+            _extend_row(current, call)
+            stats.merged_calls += 1
+            continue
+        if current is not None:
+            stats.prefix_mismatches += 1
+        current = _start_row(call, 0)
+        rows.append(current)
+    return rows
+
+
+Renderer = Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], list[int]]
+
+
+def rows_from_messages(trajectory: Trajectory, render: Renderer, tokenize: Callable[[str], list[int]],
+                       eos_id: int | None) -> list[Row]:
+    """Fallback: render each Choice's conversation with the chat template (flagged)."""
+    rows = []
+    history: list[dict[str, Any]] = []
+    for item in trajectory.messages_and_choices:
+        if isinstance(item, Choice):
+            prompt = render(history, trajectory.tools)
+            extra = item.model_extra or {}
+            completion = list(extra.get("token_ids") or [])
+            if not completion:
+                completion = tokenize(item.message.content or "")
+                if eos_id is not None and item.finish_reason == "stop":
+                    completion.append(eos_id)
+            logprobs = [NAN] * len(completion)
+            if item.logprobs is not None and item.logprobs.content and len(item.logprobs.content) == len(completion):
+                logprobs = [e.logprob for e in item.logprobs.content]
+            rows.append(Row(
+                input_ids=prompt + completion, loss_mask=[False] * len(prompt) + [True] * len(completion),
+                old_logprobs=[NAN] * len(prompt) + logprobs, temperatures=[1.0] * (len(prompt) + len(completion)),
+                rendered=True,
+            ))
+            history.append(item.message.model_dump(exclude_none=True))
+        else:
+            history.append(item)
+    return rows
+
+
+def has_unknown_logprobs(row: Row) -> bool:
+    return any(m and math.isnan(lp) for m, lp in zip(row.loss_mask, row.old_logprobs, strict=True))

@@ -1,0 +1,257 @@
+"""The LoRA GRPO trainer: peft on transformers, or Unsloth's FastLanguageModel when importable
+on a GPU (same loss, same rows). One ``train_step`` is one optimizer step per epoch over
+length-bucketed micro-batches with gradient accumulation.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...core.config import LoraConfig, TrainConfig
+from ...core.trajectory import TrajectoryGroup
+from .loss import group_advantages, grpo_per_token_loss, reduce_loss, token_entropy, token_logprobs
+from .rows import Row, RowStats, has_unknown_logprobs, rows_from_calls, rows_from_messages
+
+OPTIMIZER_FILE = "optimizer.pt"
+STATE_FILE = "trainer_state.json"
+
+
+def unsloth_usable() -> bool:
+    return (os.environ.get("TRACERL_DISABLE_UNSLOTH") != "1" and torch.cuda.is_available()
+            and importlib.util.find_spec("unsloth") is not None)
+
+
+def micro_batches(rows: list[Row], max_tokens: int) -> list[list[Row]]:
+    """Length-bucketed batches whose padded size (rows x longest) stays within ``max_tokens``."""
+    batches: list[list[Row]] = []
+    current: list[Row] = []
+    for row in sorted(rows, key=len, reverse=True):
+        longest = len(current[0]) if current else len(row)
+        if current and (len(current) + 1) * longest > max_tokens:
+            batches.append(current)
+            current = []
+        current.append(row)
+    if current:
+        batches.append(current)
+    return batches
+
+
+class Trainer:
+    """Holds the policy (base + LoRA) and its optimizer between steps."""
+
+    def __init__(self, model_path: Path, lora: LoraConfig, adapter_path: Path | None = None,
+                 device: str | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.lora = lora
+        self.backend = "unsloth" if unsloth_usable() and self.device.type == "cuda" else "peft"
+        self.model = self._load_unsloth(model_path) if self.backend == "unsloth" else self._load_peft(model_path)
+        if adapter_path is not None:
+            self._load_adapter_weights(adapter_path)
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad], lr=1e-5, betas=(0.9, 0.99))
+        if adapter_path is not None and (adapter_path / OPTIMIZER_FILE).exists():
+            self.optimizer.load_state_dict(torch.load(adapter_path / OPTIMIZER_FILE, map_location=self.device))
+        self.steps_done = 0
+
+    # --- loading ---------------------------------------------------------------------------
+
+    def _peft_config(self) -> Any:
+        from peft import LoraConfig as PeftLoraConfig
+
+        return PeftLoraConfig(r=self.lora.r, lora_alpha=self.lora.alpha, lora_dropout=self.lora.dropout,
+                              target_modules=list(self.lora.target_modules), task_type="CAUSAL_LM")
+
+    def _load_peft(self, model_path: Path) -> Any:
+        from peft import get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device)
+        return get_peft_model(base, self._peft_config())
+
+    def _load_unsloth(self, model_path: Path) -> Any:  # pragma: no cover - GPU only
+        from unsloth import FastLanguageModel
+
+        model, _ = FastLanguageModel.from_pretrained(
+            model_name=str(model_path), dtype=self.dtype, load_in_4bit=False, max_seq_length=8192)
+        return FastLanguageModel.get_peft_model(
+            model, r=self.lora.r, lora_alpha=self.lora.alpha, lora_dropout=self.lora.dropout,
+            target_modules=list(self.lora.target_modules), use_gradient_checkpointing=False)
+
+    def _load_adapter_weights(self, path: Path) -> None:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        state = load_file(str(path / "adapter_model.safetensors"), device=str(self.device))
+        result = set_peft_model_state_dict(self.model, state)
+        unexpected = getattr(result, "unexpected_keys", None)
+        if unexpected:
+            raise RuntimeError(f"checkpoint {path} does not fit this LoRA config: {unexpected[:3]}")
+        state_file = path / STATE_FILE
+        if state_file.exists():
+            self.steps_done = json.loads(state_file.read_text()).get("steps_done", 0)
+
+    # --- rows ------------------------------------------------------------------------------
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        kwargs = {"tools": tools} if tools else {}
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def build_rows(self, groups: list[TrajectoryGroup], config: TrainConfig
+                   ) -> tuple[list[Row], RowStats, int]:
+        stats = RowStats()
+        rows: list[Row] = []
+        skipped_groups = 0
+        tokenize = lambda s: self.tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+        for gi, group in enumerate(groups):
+            if len(group.trajectories) < 2:
+                skipped_groups += 1
+                continue
+            adv = group_advantages([t.reward for t in group.trajectories], config.scale_rewards)
+            if adv.skipped:
+                skipped_groups += 1
+                continue
+            for traj, a in zip(group.trajectories, adv.advantages, strict=True):
+                traj_rows = rows_from_calls(traj.llm_calls, stats) if traj.llm_calls else []
+                if not traj_rows:
+                    traj_rows = rows_from_messages(traj, self._render, tokenize, self.tokenizer.eos_token_id)
+                    stats.rendered_rows += len(traj_rows)
+                if not traj_rows:
+                    stats.empty_trajectories += 1
+                for row in traj_rows:
+                    row.advantage, row.group = a, gi
+                    if len(row) > config.micro_batch_tokens:
+                        for name in ("input_ids", "loss_mask", "old_logprobs", "temperatures"):
+                            setattr(row, name, getattr(row, name)[: config.micro_batch_tokens])
+                        stats.truncated_rows += 1
+                    if row.trained_tokens:
+                        rows.append(row)
+        stats.rows = len(rows)
+        return rows, stats, skipped_groups
+
+    # --- the step --------------------------------------------------------------------------
+
+    def _tensors(self, batch: list[Row]) -> dict[str, torch.Tensor]:
+        width = max(len(r) for r in batch)
+        pad = self.tokenizer.pad_token_id or 0
+
+        def padded(values: list[list[Any]], fill: Any, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor([v + [fill] * (width - len(v)) for v in values], dtype=dtype,
+                                device=self.device)
+
+        ids = padded([r.input_ids for r in batch], pad, torch.long)
+        return {
+            "input_ids": ids,
+            "attention_mask": padded([[1] * len(r) for r in batch], 0, torch.long),
+            "targets": ids[:, 1:],
+            "mask": padded([r.loss_mask for r in batch], False, torch.bool)[:, 1:],
+            # prompt positions hold NaN (no logprob); zero them, as NaN * 0 would poison the sum
+            "old": torch.nan_to_num(padded([r.old_logprobs for r in batch], 0.0, torch.float32)[:, 1:], nan=0.0),
+            "temps": padded([r.temperatures for r in batch], 1.0, torch.float32)[:, 1:],
+            "adv": torch.tensor([r.advantage for r in batch], dtype=torch.float32, device=self.device),
+        }
+
+    def _logits(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.model(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).logits[:, :-1]
+
+    def train_step(self, groups: list[TrajectoryGroup], config: TrainConfig) -> dict[str, float]:
+        rows, stats, skipped_groups = self.build_rows(groups, config)
+        metrics: dict[str, float] = {**stats.as_metrics(), "skipped_groups": float(skipped_groups)}
+        if skipped_groups:
+            print(f"[tracerl] {skipped_groups} of {len(groups)} groups skipped: all rewards equal "
+                  "(no learning signal) or a single trajectory", file=sys.stderr)
+        if stats.prefix_mismatches:
+            print(f"[tracerl] {stats.prefix_mismatches} calls did not continue the previous call's "
+                  "tokens exactly and were trained as separate rows", file=sys.stderr)
+        if not rows:
+            metrics.update(skipped=1.0, loss=0.0)
+            return metrics
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
+        for g in self.optimizer.param_groups:
+            g["lr"] = config.learning_rate
+            g["weight_decay"] = config.weight_decay
+        if config.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+            self.model.enable_input_require_grads()
+        batches = micro_batches(rows, config.micro_batch_tokens)
+        self.model.train()
+        if any(has_unknown_logprobs(r) for r in rows):
+            self._fill_old_logprobs(batches)
+        trained_tokens = sum(r.trained_tokens for r in rows)
+        normalizer = float(trained_tokens if config.loss_normalization == "token" else len(rows))
+        sums = {"loss": 0.0, "ratio": 0.0, "clip_fraction": 0.0, "kl": 0.0, "entropy": 0.0,
+                "logprob_mismatch": 0.0}
+        grad_norm = 0.0
+        for epoch in range(config.num_epochs):
+            self.optimizer.zero_grad(set_to_none=True)
+            for batch in batches:
+                t = self._tensors(batch)
+                logits = self._logits(t)
+                logp = token_logprobs(logits, t["targets"], t["temps"])
+                ref = None
+                if config.beta > 0:
+                    with torch.no_grad(), self.model.disable_adapter():
+                        ref = token_logprobs(self._logits(t), t["targets"], t["temps"])
+                per_token, parts = grpo_per_token_loss(
+                    logp, t["old"], t["adv"], epsilon=config.epsilon, epsilon_high=config.epsilon_high,
+                    beta=config.beta, ref_logp=ref)
+                loss = reduce_loss(per_token, t["mask"], config.loss_normalization, normalizer)
+                loss.backward()
+                if epoch == 0:
+                    m = t["mask"]
+                    sums["loss"] += float(loss.detach())
+                    sums["ratio"] += float(parts["ratio"][m].sum())
+                    sums["clip_fraction"] += float(parts["clipped"][m].float().sum())
+                    sums["logprob_mismatch"] += float((logp.detach() - t["old"])[m].abs().sum())
+                    if "kl" in parts:
+                        sums["kl"] += float(parts["kl"][m].sum())
+                    with torch.no_grad():
+                        sums["entropy"] += float(token_entropy(logits.detach()[m], t["temps"][m]).sum())
+            if config.max_grad_norm is not None:
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(
+                    [p for p in self.model.parameters() if p.requires_grad], config.max_grad_norm))
+            self.optimizer.step()
+        self.steps_done += 1
+        n = float(trained_tokens)
+        metrics.update(
+            loss=sums["loss"], ratio=sums["ratio"] / n, clip_fraction=sums["clip_fraction"] / n,
+            kl=sums["kl"] / n, entropy=sums["entropy"] / n, logprob_mismatch=sums["logprob_mismatch"] / n,
+            grad_norm=grad_norm, trained_tokens=n, tokens=float(sum(len(r) for r in rows)),
+            micro_batches=float(len(batches)), learning_rate=config.learning_rate,
+        )
+        if not math.isfinite(metrics["loss"]):
+            raise FloatingPointError(f"non-finite loss {metrics['loss']} in a training step")
+        return metrics
+
+    @torch.no_grad()
+    def _fill_old_logprobs(self, batches: list[list[Row]]) -> None:
+        """Rows without engine logprobs get the current policy's (an on-policy ratio of 1)."""
+        for batch in batches:
+            if not any(has_unknown_logprobs(r) for r in batch):
+                continue
+            t = self._tensors(batch)
+            logp = token_logprobs(self._logits(t), t["targets"], t["temps"]).cpu()
+            for i, row in enumerate(batch):
+                for j in range(1, len(row)):
+                    if row.loss_mask[j] and math.isnan(row.old_logprobs[j]):
+                        row.old_logprobs[j] = float(logp[i, j - 1])
+
+    def save(self, out_dir: Path) -> None:
+        """Write the adapter (vLLM/peft loadable), optimizer state and step count."""
+        self.model.save_pretrained(str(out_dir))
+        torch.save(self.optimizer.state_dict(), Path(out_dir) / OPTIMIZER_FILE)
+        (Path(out_dir) / STATE_FILE).write_text(json.dumps({"steps_done": self.steps_done,
+                                                            "backend": self.backend}))
