@@ -18,6 +18,8 @@ class TrainConfig(_Strict):
 
     learning_rate: float = Field(5e-6, gt=0, le=1.0)
     beta: float = Field(0.0, ge=0, description="KL coefficient against the base model (0 = off)")
+    kl_bias_correction: bool = Field(
+        True, description="weight the KL term by the importance ratio (unbiased reverse KL, as TRL)")
     epsilon: float = Field(0.2, gt=0, description="lower clip range of the importance ratio")
     epsilon_high: float | None = Field(None, gt=0, description="upper clip range (default: epsilon)")
     scale_rewards: bool = Field(True, description="divide advantages by the group's reward std")

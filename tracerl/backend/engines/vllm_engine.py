@@ -39,6 +39,14 @@ def vllm_python() -> str | None:
     return sys.executable if importlib.util.find_spec("vllm") else None
 
 
+def _lora_rank_slot(r: int) -> int:
+    """vLLM accepts only these values for --max-lora-rank."""
+    for slot in (8, 16, 32, 64, 128, 256, 320, 512):
+        if r <= slot:
+            return slot
+    raise EngineError(f"LoRA rank {r} is above what vLLM serves (512)")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -76,7 +84,7 @@ class VLLMEngine(Engine):
             "--model", str(self.spec.model_path), "--served-model-name", self.spec.served_name,
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", dtype,
             "--max-model-len", str(cfg.max_model_len), "--max-num-seqs", str(cfg.max_num_seqs),
-            "--enable-lora", "--max-lora-rank", str(max(lora.r, 8)), "--max-loras", "2",
+            "--enable-lora", "--max-lora-rank", str(_lora_rank_slot(lora.r)), "--max-loras", "2",
             "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log",
         ]
         if cfg.tool_call_parser:

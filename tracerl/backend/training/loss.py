@@ -48,7 +48,7 @@ def token_entropy(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Ten
 def grpo_per_token_loss(
     logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, *,
     epsilon: float, epsilon_high: float | None = None, beta: float = 0.0,
-    ref_logp: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None, kl_bias_correction: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token clipped policy loss [B, L] and the pieces worth logging.
 
@@ -65,8 +65,10 @@ def grpo_per_token_loss(
             raise ValueError("beta > 0 needs reference logprobs")
         diff = ref_logp - logp
         kl = torch.exp(diff) - diff - 1
-        loss = loss + beta * kl
         parts["kl"] = kl.detach()
+        if kl_bias_correction:  # unbiased reverse-KL gradient off-policy (DeepSeek-V3.2)
+            kl = kl * ratio
+        loss = loss + beta * kl
     return loss, parts
 
 

