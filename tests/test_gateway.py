@@ -12,7 +12,7 @@ MSGS = [{"role": "user", "content": "Say hi."}]
 
 
 async def test_recorded_prompt_ids_equal_fresh_tokenization(tf_backend, tokenizer):
-    backend, model = tf_backend
+    _, model = tf_backend
     with tracerl.rollout_scope() as ro:
         r = await model.openai_client().chat.completions.create(
             model=model.name, messages=MSGS, max_tokens=6, temperature=0.8)
@@ -41,7 +41,7 @@ async def test_caller_that_asks_gets_logprobs_and_ids(tf_backend):
 
 
 async def test_header_attribution_and_completions_endpoint(tf_backend, tokenizer):
-    backend, model = tf_backend
+    _, model = tf_backend
     prompt = tokenizer("The capital of France is", add_special_tokens=False)["input_ids"]
     async with httpx.AsyncClient(base_url=model.inference_base_url) as http:
         r = await http.post("/completions", headers={"x-rollout-id": "ro-header-test"},

@@ -147,7 +147,7 @@ async def test_200_concurrent_rollouts_keep_their_context_and_calls_apart():
         sync_seen = await asyncio.wrap_future(pool.submit(
             lambda: json.loads(sync_client.chat.completions.create(
                 model="s", messages=[{"role": "user", "content": "x"}]).choices[0].message.content)))
-        return traj(metadata={"me": me, "seen": seen + [sync_seen], "sub": sub, "thread": in_thread,
+        return traj(metadata={"me": me, "seen": [*seen, sync_seen], "sub": sub, "thread": in_thread,
                               "pool": in_pool})
 
     try:

@@ -24,7 +24,13 @@ from .core.errors import (
 from .core.gather import gather_trajectories, gather_trajectory_groups
 from .core.hookspecs import HOOKSPEC_VERSION, hookimpl
 from .core.model import Model, TrainableModel
-from .core.trajectory import CompletionRecord, LLMCall, RolloutException, Trajectory, TrajectoryGroup
+from .core.trajectory import (
+    CompletionRecord,
+    LLMCall,
+    RolloutException,
+    Trajectory,
+    TrajectoryGroup,
+)
 
 if TYPE_CHECKING:
     from .backend.local import LocalBackend

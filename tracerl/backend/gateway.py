@@ -24,7 +24,13 @@ from ..core.errors import EngineError
 from ..core.plugins import get_plugin_manager
 from ..core.storage import ModelStore, validate_name
 from .engines.base import Engine, EngineRequestError, EngineUnavailableError
-from .recorder import CallStore, StreamAssembler, build_call, inject_training_fields, strip_for_caller
+from .recorder import (
+    CallStore,
+    StreamAssembler,
+    build_call,
+    inject_training_fields,
+    strip_for_caller,
+)
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 

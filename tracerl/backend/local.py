@@ -130,6 +130,7 @@ class LocalBackend(Backend):
         if not model.base_model:
             raise ConfigError(f"{model!r} has no base_model to serve")
         store = self.store(model)
+        store.remove_partial_checkpoints()
         store.write_definition({"name": model.name, "project": model.project,
                                 "base_model": model.base_model, "trainable": model.trainable,
                                 "config": model.config.model_dump()})
@@ -152,6 +153,15 @@ class LocalBackend(Backend):
         if step > 0 and self.gateway.models[model.name].step != step:
             await gateway.call(self.gateway.swap_adapter(model.name, step, store.checkpoint_dir(step)))
         return InferenceEndpoint(self.base_url, self.api_key or "tracerl-local", model.name)
+
+    async def pending_groups(self, model: Any) -> list[TrajectoryGroup]:
+        """Groups saved for a step whose training never finished (a crash): train on them again
+        with ``await model.train(await backend.pending_groups(model))``."""
+        from ..core.trajectory import read_groups_jsonl
+
+        store = self.store(model)
+        path = store.trajectories_path("train", store.latest_step() + 1)
+        return read_groups_jsonl(path) if path.exists() else []
 
     async def get_step(self, model: Any) -> int:
         return self.store(model).latest_step()
@@ -219,7 +229,7 @@ class LocalBackend(Backend):
             if self._thread is not None:
                 try:
                     await self._thread.call(engine.stop())
-                except Exception as e:  # noqa: BLE001 - closing must go on
+                except Exception as e:
                     print(f"tracerl: stopping engine {engine.name} failed: {e}", file=sys.stderr)
         self._engines.clear()
         if self._thread is not None:

@@ -99,6 +99,11 @@ def register(plugin: Any, name: str | None = None) -> str:
     result = pm.register(plugin, name=name)
     if result is None:
         raise PluginError(f"plugin {name or plugin!r} is blocked or already registered")
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as e:
+        pm.unregister(name=result)
+        raise PluginError(f"plugin {result!r} implements a hook that does not exist: {e}") from e
     return result
 
 

@@ -154,6 +154,15 @@ class ModelStore:
             if p.is_dir() and _CHECKPOINT_RE.match(p.name)
         )
 
+    def remove_partial_checkpoints(self) -> list[Path]:
+        """Delete temporary checkpoint folders left by a crash mid-save."""
+        if not self.checkpoints_dir.exists():
+            return []
+        partial = [p for p in self.checkpoints_dir.iterdir() if p.is_dir() and p.name.endswith(".tmp")]
+        for p in partial:
+            shutil.rmtree(p, ignore_errors=True)
+        return partial
+
     def latest_step(self) -> int:
         steps = self.checkpoint_steps()
         return steps[-1] if steps else 0

@@ -175,7 +175,7 @@ class TransformersEngine(Engine):
                 self._queue.put_nowait(job)
             try:
                 await asyncio.to_thread(self._generate, batch)
-            except Exception as e:  # noqa: BLE001 - delivered to every caller
+            except Exception as e:
                 for job in batch:
                     if not job.future.done():
                         job.future.set_exception(e)

@@ -62,7 +62,8 @@ class VLLMEngine(Engine):
         self.port: int | None = None
         self.client: httpx.AsyncClient | None = None
         self._adapters: dict[str, Path] = {}
-        self._log = tempfile.NamedTemporaryFile(prefix="tracerl-vllm-", suffix=".log", delete=False)  # noqa: SIM115
+        self._ready = False  # healthy and every adapter re-loaded
+        self._log = tempfile.NamedTemporaryFile(prefix="tracerl-vllm-", suffix=".log", delete=False)
 
     @classmethod
     def available(cls) -> bool:
@@ -98,6 +99,7 @@ class VLLMEngine(Engine):
             return ""
 
     async def start(self) -> None:
+        self._ready = False
         self.port = _free_port()
         env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
                "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1",
@@ -123,8 +125,10 @@ class VLLMEngine(Engine):
             await asyncio.sleep(0.5)
         for name, path in list(self._adapters.items()):
             await self.load_adapter(name, path)
+        self._ready = True
 
     async def stop(self) -> None:
+        self._ready = False
         if self.client is not None:
             await self.client.aclose()
             self.client = None
@@ -177,17 +181,24 @@ class VLLMEngine(Engine):
         raise EngineRequestError(message, status=r.status_code, param=err.get("param"),
                                  code=err.get("code"))
 
+    def _check_ready(self) -> None:
+        if not self._ready:
+            raise EngineUnavailableError("the vLLM server is starting")
+
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        self._check_ready()
         r = await self._post("/v1/chat/completions", body)
         self._raise_for(r)
         return r.json()
 
     async def completions(self, body: dict[str, Any]) -> dict[str, Any]:
+        self._check_ready()
         r = await self._post("/v1/completions", body)
         self._raise_for(r)
         return r.json()
 
     async def chat_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        self._check_ready()
         if self.client is None:
             raise EngineUnavailableError("the vLLM server is not running")
         try:

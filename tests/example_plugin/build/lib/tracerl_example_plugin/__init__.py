@@ -1,0 +1,24 @@
+"""A third-party plugin used by the tests: a length judge and a metrics recorder."""
+
+import tracerl
+
+TRACERL_PLUGIN_API = 1
+LOGGED: list = []
+
+
+@tracerl.hookimpl
+def tracerl_score_group(group, judge):
+    if judge not in (None, "length"):
+        return None
+
+    async def score():
+        for t in group.trajectories:
+            t.reward = float(len(t.messages()[-1].get("content") or ""))
+        return group
+
+    return score()
+
+
+@tracerl.hookimpl
+def tracerl_log_metrics(model, step, split, metrics):
+    LOGGED.append((model.name, step, split, metrics["reward"]))
