@@ -144,7 +144,10 @@ class Trainer:
     # --- the step --------------------------------------------------------------------------
 
     def _tensors(self, batch: list[Row]) -> dict[str, torch.Tensor]:
+        """Padded tensors of a micro-batch. Logits are needed only from the first trained token
+        on, so the (vocab-sized) head runs on ``keep`` positions instead of the whole row."""
         width = max(len(r) for r in batch)
+        start = max(min(r.loss_mask.index(True) for r in batch), 1)
         pad = self.tokenizer.pad_token_id or 0
 
         def padded(values: list[list[Any]], fill: Any, dtype: torch.dtype) -> torch.Tensor:
@@ -152,19 +155,24 @@ class Trainer:
                                 device=self.device)
 
         ids = padded([r.input_ids for r in batch], pad, torch.long)
+        old = padded([r.old_logprobs for r in batch], 0.0, torch.float32)[:, start:]
         return {
             "input_ids": ids,
             "attention_mask": padded([[1] * len(r) for r in batch], 0, torch.long),
-            "targets": ids[:, 1:],
-            "mask": padded([r.loss_mask for r in batch], False, torch.bool)[:, 1:],
+            "keep": torch.tensor(width - start + 1),
+            "targets": ids[:, start:],
+            "mask": padded([r.loss_mask for r in batch], False, torch.bool)[:, start:],
             # prompt positions hold NaN (no logprob); zero them, as NaN * 0 would poison the sum
-            "old": torch.nan_to_num(padded([r.old_logprobs for r in batch], 0.0, torch.float32)[:, 1:], nan=0.0),
-            "temps": padded([r.temperatures for r in batch], 1.0, torch.float32)[:, 1:],
+            "old": torch.nan_to_num(old, nan=0.0),
+            "temps": padded([r.temperatures for r in batch], 1.0, torch.float32)[:, start:],
             "adv": torch.tensor([r.advantage for r in batch], dtype=torch.float32, device=self.device),
         }
 
     def _logits(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.model(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).logits[:, :-1]
+        """Logits predicting ``t['targets']`` (positions start-1 .. width-2)."""
+        out = self.model(input_ids=t["input_ids"], attention_mask=t["attention_mask"],
+                         logits_to_keep=int(t["keep"]))
+        return out.logits[:, :-1]
 
     def train_step(self, groups: list[TrajectoryGroup], config: TrainConfig) -> dict[str, float]:
         rows, stats, skipped_groups = self.build_rows(groups, config)
@@ -256,10 +264,11 @@ class Trainer:
                 continue
             t = self._tensors(batch)
             logp = token_logprobs(self._logits(t), t["targets"], t["temps"]).cpu()
+            start = t["input_ids"].shape[1] - logp.shape[1]
             for i, row in enumerate(batch):
-                for j in range(1, len(row)):
+                for j in range(start, len(row)):
                     if row.loss_mask[j] and math.isnan(row.old_logprobs[j]):
-                        row.old_logprobs[j] = float(logp[i, j - 1])
+                        row.old_logprobs[j] = float(logp[i, j - start])
 
     def save(self, out_dir: Path) -> None:
         """Write the adapter (vLLM/peft loadable), optimizer state and step count."""

@@ -1,0 +1,138 @@
+"""Training-step throughput: tracerl's GRPO step versus TRL's GRPO loss step, same model and batch.
+
+Both sides do forward, loss, backward and an AdamW step on the same LoRA model and the same
+random batch, alternating, after a warm-up; the ratio is tokens/s(tracerl) / tokens/s(TRL).
+
+    python benchmarks/train_step_vs_trl.py [--model smollm2|PATH] [--batch 8] [--prompt 64]
+        [--completion 64] [--repeats 3] [--random-init qwen2.5-0.5b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {  # random-initialised Qwen2.5-shaped models: values do not change speed
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936),
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064),
+}
+
+
+def random_model_dir(shape: str, tokenizer_from: Path) -> Path:
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    out = Path(tempfile.mkdtemp(prefix=f"tracerl-{shape}-"))
+    cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(out)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--random-init", choices=sorted(SHAPES))
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--completion", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", help="also write the result here")
+    args = ap.parse_args()
+
+    import trl
+    from datasets import Dataset
+
+    from tracerl import LoraConfig, TrainConfig
+    from tracerl.backend.training.rows import Row
+    from tracerl.backend.training.trainer import Trainer, micro_batches
+    from tracerl.backend.weights import resolve_base_model
+
+    path = resolve_base_model("smollm2") if args.model == "smollm2" else Path(args.model)
+    if args.random_init:
+        path = random_model_dir(args.random_init, path)
+    ours = Trainer(path, LoraConfig(r=16, alpha=32))
+    model, device = ours.model, ours.device
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    B, P, C = args.batch, args.prompt, args.completion
+    prompt = torch.randint(100, min(vocab, 30000), (1, P), generator=g).repeat(B, 1)
+    completion = torch.randint(100, min(vocab, 30000), (B, C), generator=g)
+    adv = torch.randn(B, generator=g)
+    old = -torch.rand(B, C, generator=g) * 3
+
+    cfg = TrainConfig(learning_rate=1e-5, loss_normalization="token", micro_batch_tokens=B * (P + C))
+    rows = [Row(input_ids=prompt[b].tolist() + completion[b].tolist(), loss_mask=[False] * P + [True] * C,
+                old_logprobs=[math.nan] * P + old[b].tolist(), temperatures=[1.0] * (P + C),
+                advantage=float(adv[b])) for b in range(B)]
+    batches = micro_batches(rows, cfg.micro_batch_tokens)
+
+    targs = trl.GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=B, num_generations=B,
+                           loss_type="bnpo", beta=0.0, report_to=[], bf16=device.type == "cuda",
+                           use_cpu=device.type == "cpu", max_completion_length=C)
+    tt = trl.GRPOTrainer(model=model, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+                         args=targs, train_dataset=Dataset.from_list([{"prompt": "x"}] * B),
+                         processing_class=ours.tokenizer)
+    tt.current_gradient_accumulation_steps = 1
+    inputs = {k: v.to(device) for k, v in {
+        "prompt_ids": prompt, "prompt_mask": torch.ones_like(prompt), "completion_ids": completion,
+        "completion_mask": torch.ones_like(completion), "advantages": adv, "old_per_token_logps": old}.items()}
+    opt = ours.optimizer
+    model.train()
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def step_ours() -> None:
+        opt.zero_grad(set_to_none=True)
+        ours.backward(batches, cfg, collect=False)
+        opt.step()
+
+    def step_trl() -> None:
+        opt.zero_grad(set_to_none=True)
+        tt._compute_loss(model, inputs).backward()
+        opt.step()
+
+    def timed(fn) -> float:
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t
+
+    step_ours(), step_trl()  # warm-up
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t_ours, t_trl = [], []
+    for _ in range(args.repeats):
+        t_ours.append(timed(step_ours))
+        t_trl.append(timed(step_trl))
+    tokens = B * (P + C)
+    result = {
+        "model": args.random_init or str(args.model), "device": str(device), "batch": B,
+        "prompt": P, "completion": C, "tokens_per_step": tokens, "trainer_backend": ours.backend,
+        "tracerl_tokens_per_s": tokens / statistics.median(t_ours),
+        "trl_tokens_per_s": tokens / statistics.median(t_trl),
+    }
+    result["ratio_tracerl_over_trl"] = result["tracerl_tokens_per_s"] / result["trl_tokens_per_s"]
+    if device.type == "cuda":
+        result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    print(json.dumps(result, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
