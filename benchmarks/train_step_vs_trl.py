@@ -29,6 +29,25 @@ SHAPES = {  # random-initialised Qwen2.5-shaped models: values do not change spe
 }
 
 
+def matmul_tflops(device: torch.device, n: int = 8192, repeats: int = 20) -> float:
+    """Measured dense bf16 (CUDA) or fp32 (CPU) matmul rate, the denominator of MFU."""
+    if device.type == "cpu":
+        n, repeats, dtype = 1024, 5, torch.float32
+    else:
+        dtype = torch.bfloat16
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 2 * n**3 * repeats / (time.perf_counter() - t) / 1e12
+
+
 def random_model_dir(shape: str, tokenizer_from: Path) -> Path:
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
@@ -48,6 +67,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--completion", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tokenizer", help="tokenizer folder for --random-init (default: SmolLM2's)")
     ap.add_argument("--json", help="also write the result here")
     args = ap.parse_args()
 
@@ -59,9 +79,11 @@ def main() -> None:
     from tracerl.backend.training.trainer import Trainer, micro_batches
     from tracerl.backend.weights import resolve_base_model
 
-    path = resolve_base_model("smollm2") if args.model == "smollm2" else Path(args.model)
     if args.random_init:
-        path = random_model_dir(args.random_init, path)
+        tok = Path(args.tokenizer) if args.tokenizer else resolve_base_model("smollm2")
+        path = random_model_dir(args.random_init, tok)
+    else:
+        path = resolve_base_model("smollm2") if args.model == "smollm2" else Path(args.model)
     ours = Trainer(path, LoraConfig(r=16, alpha=32))
     model, device = ours.model, ours.device
     vocab = model.config.vocab_size
@@ -127,6 +149,15 @@ def main() -> None:
         "trl_tokens_per_s": tokens / statistics.median(t_trl),
     }
     result["ratio_tracerl_over_trl"] = result["tracerl_tokens_per_s"] / result["trl_tokens_per_s"]
+    # LoRA step FLOPs: forward 2N + input-gradient backward 2N per token (frozen weights get no
+    # weight gradients); attention and the small LoRA matrices are left out.
+    n_params = sum(p.numel() for p in model.parameters())
+    peak = matmul_tflops(device)
+    for side in ("tracerl", "trl"):
+        achieved = 4 * n_params * result[f"{side}_tokens_per_s"] / 1e12
+        result[f"{side}_mfu"] = achieved / peak
+    result["params"] = n_params
+    result["matmul_tflops_measured"] = peak
     if device.type == "cuda":
         result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     print(json.dumps(result, indent=2))

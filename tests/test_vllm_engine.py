@@ -114,3 +114,13 @@ async def test_vllm_crash_gives_503_then_restarts(vllm_backend):
     assert r.status_code == 200
     # the adapter of the current step came back with the restart
     assert backend.gateway.models[model.name].step in (0, 1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+async def test_sleep_mode_is_refused_clearly_on_cpu(smollm2_path):
+    from tracerl.backend.engines.base import EngineSpec
+
+    spec = EngineSpec(model_path=smollm2_path, served_name="x", lora=tracerl.LoraConfig(),
+                      config=tracerl.EngineConfig(sleep_during_training=True))
+    with pytest.raises(tracerl.EngineError, match="needs vLLM on CUDA"):
+        await VLLMEngine(spec).start()

@@ -208,9 +208,14 @@ class LocalBackend(Backend):
             write_groups_jsonl(store.trajectories_path("train", step), groups)  # before training
             hook = get_plugin_manager().hook
             hook.tracerl_before_train_step(model=model, step=step, groups=groups, config=config)
-            trainer = await asyncio.to_thread(self._trainer, model)
-            started = time.perf_counter()
-            metrics = await asyncio.to_thread(trainer.train_step, groups, config)
+            engine = self.gateway.models[model.name].engine
+            await self._gateway().call(engine.sleep())  # frees GPU memory where the engine can
+            try:
+                trainer = await asyncio.to_thread(self._trainer, model)
+                started = time.perf_counter()
+                metrics = await asyncio.to_thread(trainer.train_step, groups, config)
+            finally:
+                await self._gateway().call(engine.wake_up())
             if metrics.get("skipped"):
                 print(f"[tracerl] step {step} skipped: {metrics.get('skip_reason', 'no data')}",
                       file=sys.stderr)

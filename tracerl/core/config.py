@@ -60,6 +60,8 @@ class EngineConfig(_Strict):
     tool_call_parser: str | None = Field(None, description="vLLM tool parser, e.g. 'hermes'")
     request_timeout_s: float = Field(300.0, gt=0)
     extra_args: list[str] = Field(default_factory=list, description="extra vLLM server flags")
+    sleep_during_training: bool = Field(
+        False, description="vLLM on CUDA: free the engine's GPU memory while a training step runs")
 
 
 class ModelConfig(_Strict):

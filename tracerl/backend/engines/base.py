@@ -87,5 +87,11 @@ class Engine(ABC):
         await self.stop()
         await self.start()
 
+    async def sleep(self) -> None:  # noqa: B027 - optional capability
+        """Release accelerator memory until :meth:`wake_up` (engines that can)."""
+
+    async def wake_up(self) -> None:  # noqa: B027 - optional capability
+        """Undo :meth:`sleep`."""
+
     def tokenizer_path(self) -> Path:
         return self.spec.model_path

@@ -47,6 +47,14 @@ def _lora_rank_slot(r: int) -> int:
     raise EngineError(f"LoRA rank {r} is above what vLLM serves (512)")
 
 
+def _cuda_visible() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return shutil.which("nvidia-smi") is not None
+    return torch.cuda.is_available()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -88,6 +96,8 @@ class VLLMEngine(Engine):
             "--enable-lora", "--max-lora-rank", str(_lora_rank_slot(lora.r)), "--max-loras", "2",
             "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log",
         ]
+        if cfg.sleep_during_training:
+            cmd += ["--enable-sleep-mode"]
         if cfg.tool_call_parser:
             cmd += ["--enable-auto-tool-choice", "--tool-call-parser", cfg.tool_call_parser]
         return cmd + list(cfg.extra_args)
@@ -100,10 +110,15 @@ class VLLMEngine(Engine):
 
     async def start(self) -> None:
         self._ready = False
+        if self.spec.config.sleep_during_training and not _cuda_visible():
+            raise EngineError("sleep_during_training needs vLLM on CUDA; vLLM's sleep mode does "
+                              "not exist on CPU")
         self.port = _free_port()
         env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
                "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1",
                "VLLM_CONFIGURE_LOGGING": "1"}
+        if self.spec.config.sleep_during_training:
+            env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes /sleep and /wake_up (loopback only)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.pop("PYTHONPATH", None)  # the vLLM venv brings its own packages
         self.process = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
@@ -158,6 +173,20 @@ class VLLMEngine(Engine):
         if r.status_code != 200:
             raise EngineError(f"vLLM refused adapter {lora_name!r} from {path}: {r.text}")
         self._adapters[lora_name] = Path(path)
+
+    async def sleep(self) -> None:
+        if self.spec.config.sleep_during_training:
+            self._ready = False
+            r = await self._post("/sleep?level=1", {})
+            if r.status_code != 200:
+                raise EngineError(f"vLLM refused to sleep: {r.text}")
+
+    async def wake_up(self) -> None:
+        if self.spec.config.sleep_during_training:
+            r = await self._post("/wake_up", {})
+            if r.status_code != 200:
+                raise EngineError(f"vLLM did not wake up: {r.text}")
+            self._ready = True
 
     async def _post(self, path: str, body: dict[str, Any]) -> httpx.Response:
         if self.client is None or self.process is None or self.process.poll() is not None:

@@ -1,0 +1,66 @@
+"""CLI errors, storage atomicity and name validation."""
+
+import json
+
+import pytest
+
+import tracerl
+from tracerl.core.cli import main
+from tracerl.core.storage import (
+    ModelStore,
+    append_jsonl,
+    atomic_directory,
+    read_jsonl,
+    validate_name,
+)
+
+
+def test_unknown_base_model_is_a_clear_cli_error(capsys):
+    assert main(["prepare-model", "/no/such/model"]) == 2
+    err = capsys.readouterr().err
+    assert "neither a model folder" in err and "no model hub is used" in err
+
+
+@pytest.mark.parametrize("bad", ["../etc", "a/b", "", ".hidden", "x" * 200, "a b", "..", "ok/../x"])
+def test_names_that_could_escape_a_folder_are_rejected(bad):
+    with pytest.raises(tracerl.ConfigError, match="invalid model name"):
+        validate_name("model", bad)
+    with pytest.raises(tracerl.ConfigError):
+        tracerl.TrainableModel(name=bad, project="p", base_model="smollm2")
+
+
+def test_atomic_directory_leaves_nothing_on_failure(tmp_path):
+    final = tmp_path / "checkpoints" / "0003"
+    with pytest.raises(RuntimeError), atomic_directory(final) as tmp:
+        (tmp / "half.bin").write_bytes(b"x")
+        raise RuntimeError("crash while saving")
+    assert not final.exists() and list((tmp_path / "checkpoints").iterdir()) == []
+    with atomic_directory(final) as tmp:
+        (tmp / "adapter.bin").write_bytes(b"ok")
+    assert (final / "adapter.bin").read_bytes() == b"ok"
+
+
+def test_partial_checkpoints_are_ignored_and_cleaned(tmp_path):
+    store = ModelStore(tmp_path, "p", "m")
+    (store.checkpoints_dir / "0001").mkdir(parents=True)
+    (store.checkpoints_dir / ".0002.abc.tmp").mkdir()
+    assert store.checkpoint_steps() == [1] and store.latest_step() == 1
+    store.remove_partial_checkpoints()
+    assert sorted(p.name for p in store.checkpoints_dir.iterdir()) == ["0001"]
+
+
+def test_torn_last_jsonl_line_is_skipped_but_corruption_elsewhere_raises(tmp_path):
+    path = tmp_path / "history.jsonl"
+    append_jsonl(path, {"step": 1})
+    with open(path, "a") as f:
+        f.write('{"step": 2, "rew')  # crash mid-append
+    assert read_jsonl(path) == [{"step": 1}]
+    path.write_text('{"bad\n{"step": 1}\n')
+    with pytest.raises(json.JSONDecodeError):
+        read_jsonl(path)
+
+
+def test_unregistered_model_says_what_to_do():
+    m = tracerl.TrainableModel(name="m", project="p", base_model="smollm2")
+    with pytest.raises(tracerl.NotRegisteredError, match=r"await model.register\(backend\)"):
+        m.openai_client()
