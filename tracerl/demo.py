@@ -59,8 +59,12 @@ def _bar(value: float, width: int = 30) -> str:
 
 
 async def demo(steps: int, engine: str, base_path: str, group_size: int, groups_per_step: int,
-               learning_rate: float = 1e-3) -> int:
+               learning_rate: float = 1e-3) -> dict[str, object]:
+    """Train and evaluate; returns the held-out evaluations and the train reward curve."""
     os.environ.setdefault("TRACERL_QUIET", "1")
+    import torch
+
+    torch.manual_seed(0)  # sampling order still depends on batching, so runs vary a little
     backend = tracerl.LocalBackend(path=base_path, engine=None if engine == "auto" else engine)
     name = f"demo-{int(time.time())}"
     model = tracerl.TrainableModel(
@@ -98,7 +102,8 @@ async def demo(steps: int, engine: str, base_path: str, group_size: int, groups_
     first, last = evals[0][1]["reward"], evals[-1][1]["reward"]
     print(f"held-out reward {first:.3f} -> {last:.3f} in {time.perf_counter() - started:.0f} s; "
           f"model folder {backend.store(model).root}")
-    return 0
+    return {"evals": [(step, m["reward"]) for step, m in evals], "train_curve": curve,
+            "model_dir": str(backend.store(model).root)}
 
 
 def run_demo(steps: int | None = None, engine: str = "auto", base_path: str = ".tracerl",
@@ -107,4 +112,5 @@ def run_demo(steps: int | None = None, engine: str = "auto", base_path: str = ".
         import torch
 
         engine = "auto" if torch.cuda.is_available() else "transformers"  # faster on a small CPU
-    return asyncio.run(demo(steps or 16, engine, base_path, group_size or 6, groups_per_step or 4))
+    asyncio.run(demo(steps or 12, engine, base_path, group_size or 6, groups_per_step or 4))
+    return 0

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -32,12 +33,18 @@ def group_advantages(rewards: list[float], scale: bool, eps: float = 1e-4) -> Gr
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     """Log-probabilities of ``targets`` under ``softmax(logits / T)``, token by token.
 
-    ``logits`` [B, L, V] predict ``targets`` [B, L]; ``temperatures`` [B, L]. Computed as
-    gathered logit minus logsumexp, which avoids materialising a second [B, L, V] tensor.
+    ``logits`` [B, L, V] predict ``targets`` [B, L]; ``temperatures`` [B, L]. Uses the fused
+    cross-entropy kernel (one pass forward, one backward) in fp32; a single temperature is a
+    scalar division, so no [B, L, V] temperature broadcast is materialised.
     """
-    scaled = logits.float() / temperatures.unsqueeze(-1)
-    picked = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(scaled, dim=-1)
+    t = temperatures
+    t0 = float(t.reshape(-1)[0]) if t.numel() else 1.0
+    if t.numel() == 0 or bool((t == t0).all()):
+        scaled = logits.float() if t0 == 1.0 else logits.float() / t0
+    else:
+        scaled = logits.float() / t.unsqueeze(-1)
+    flat = scaled.reshape(-1, scaled.shape[-1])
+    return -F.cross_entropy(flat, targets.reshape(-1), reduction="none").view(targets.shape)
 
 
 def token_entropy(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
