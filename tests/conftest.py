@@ -55,3 +55,24 @@ async def tf_backend(tmp_path_factory):
     await model.register(backend)
     yield backend, model
     await backend.close()
+
+
+async def check_streamed_call_is_recorded(model, messages, max_tokens: int) -> None:
+    """Stream a chat completion through the gateway and check its record matches the stream."""
+    import tracerl
+
+    with tracerl.rollout_scope() as ro:
+        stream = await model.openai_client().chat.completions.create(
+            model=model.name, messages=messages, max_tokens=max_tokens, stream=True)
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    (call,) = await model.fetch_calls(ro.rollout_id)
+    assert call.streamed and call.completions[0].text == text
+    assert len(call.completions[0].token_ids) == len(call.completions[0].logprobs) >= 1
+    assert call.prompt_token_ids == call.response["prompt_token_ids"] and call.prompt_token_ids
+
+
+def render_ids(tokenizer, messages, tools=None) -> list[int]:
+    """A fresh chat-template tokenization of ``messages`` with the generation prompt."""
+    kwargs = {"tools": tools} if tools else {}
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

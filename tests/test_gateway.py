@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 import tracerl
-from tests.conftest import make_random_lora
+from tests.conftest import check_streamed_call_is_recorded, make_random_lora, render_ids
 
 MSGS = [{"role": "user", "content": "Say hi."}]
 
@@ -17,9 +17,7 @@ async def test_recorded_prompt_ids_equal_fresh_tokenization(tf_backend, tokenize
         r = await model.openai_client().chat.completions.create(
             model=model.name, messages=MSGS, max_tokens=6, temperature=0.8)
     (call,) = await model.fetch_calls(ro.rollout_id)
-    expected = tokenizer.apply_chat_template(MSGS, add_generation_prompt=True, tokenize=True)
-    expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
-    assert call.prompt_token_ids == expected
+    assert call.prompt_token_ids == render_ids(tokenizer, MSGS)
     comp = call.completions[0]
     assert 1 <= len(comp.token_ids) <= 6
     assert len(comp.logprobs) == len(comp.token_ids) and all(lp <= 0 for lp in comp.logprobs)
@@ -54,16 +52,7 @@ async def test_header_attribution_and_completions_endpoint(tf_backend, tokenizer
 
 
 async def test_streamed_call_is_recorded_like_a_plain_one(tf_backend):
-    _, model = tf_backend
-    with tracerl.rollout_scope() as ro:
-        stream = await model.openai_client().chat.completions.create(
-            model=model.name, messages=MSGS, max_tokens=5, stream=True)
-        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
-    (call,) = await model.fetch_calls(ro.rollout_id)
-    assert call.streamed
-    assert call.completions[0].text == text
-    assert len(call.completions[0].token_ids) == len(call.completions[0].logprobs) >= 1
-    assert call.prompt_token_ids
+    await check_streamed_call_is_recorded(tf_backend[1], MSGS, max_tokens=5)
 
 
 async def test_100_concurrent_rollouts_get_exactly_their_own_calls(tf_backend):

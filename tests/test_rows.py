@@ -3,6 +3,7 @@
 import math
 
 import tracerl
+from tests.conftest import render_ids
 from tracerl.backend.training.loss import group_advantages
 from tracerl.backend.training.rows import Row, RowStats, rows_from_calls, rows_from_messages
 from tracerl.backend.training.trainer import micro_batches
@@ -52,11 +53,7 @@ def test_fallback_renders_messages_and_is_flagged(tokenizer):
                                     "message": {"role": "assistant", "content": "Hello there"}})
     traj = tracerl.Trajectory(messages_and_choices=[{"role": "user", "content": "hi"}, choice])
 
-    def render(msgs, tools):
-        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-    (row,) = rows_from_messages(traj, render, lambda s: tokenizer(s, add_special_tokens=False)["input_ids"],
+    (row,) = rows_from_messages(traj, lambda msgs, tools: render_ids(tokenizer, msgs, tools), lambda s: tokenizer(s, add_special_tokens=False)["input_ids"],
                                 tokenizer.eos_token_id)
     assert row.rendered
     completion = [i for i, m in zip(row.input_ids, row.loss_mask, strict=True) if m]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tracerl
-from tests.conftest import make_random_lora
+from tests.conftest import check_streamed_call_is_recorded, make_random_lora, render_ids
 from tracerl.backend.engines.vllm_engine import VLLMEngine
 
 pytestmark = [
@@ -53,24 +53,14 @@ async def test_vllm_logprobs_match_a_transformers_forward_pass(vllm_backend, smo
         await model.openai_client().chat.completions.create(
             model=model.name, messages=MSGS, max_tokens=8, temperature=1.0)
     (call,) = await model.fetch_calls(ro.rollout_id)
-    expected_prompt = tokenizer.apply_chat_template(MSGS, add_generation_prompt=True, tokenize=True)
-    expected_prompt = list(expected_prompt["input_ids"] if hasattr(expected_prompt, "keys") else expected_prompt)
-    assert call.prompt_token_ids == expected_prompt
+    assert call.prompt_token_ids == render_ids(tokenizer, MSGS)
     comp = call.completions[0]
     ref = await asyncio.to_thread(hf_logprobs, smollm2_path, call.prompt_token_ids, comp.token_ids)
     assert max(abs(a - b) for a, b in zip(comp.logprobs, ref, strict=True)) < 0.02
 
 
 async def test_vllm_streaming_is_recorded(vllm_backend):
-    _, model = vllm_backend
-    with tracerl.rollout_scope() as ro:
-        stream = await model.openai_client().chat.completions.create(
-            model=model.name, messages=MSGS, max_tokens=4, stream=True)
-        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
-    (call,) = await model.fetch_calls(ro.rollout_id)
-    assert call.streamed and call.completions[0].text == text
-    assert len(call.completions[0].token_ids) == len(call.completions[0].logprobs) >= 1
-    assert call.prompt_token_ids
+    await check_streamed_call_is_recorded(vllm_backend[1], MSGS, max_tokens=4)
 
 
 async def test_vllm_lora_hot_swap_changes_outputs_and_matches_peft(vllm_backend, smollm2_path, tmp_path):
