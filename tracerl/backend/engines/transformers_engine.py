@@ -140,6 +140,10 @@ class TransformersEngine(Engine):
     async def _submit(self, prompt_ids: list[int], body: dict[str, Any]) -> list[tuple[list[int], list[float], str]]:
         if self._queue is None or not await self.healthy():
             raise EngineUnavailableError("the transformers engine is not running")
+        if (body.get("response_format") or {}).get("type") in ("json_schema", "json_object") or \
+                body.get("guided_json") or body.get("structured_outputs"):
+            raise EngineRequestError("structured output (response_format / guided_json) needs the "
+                                     "vLLM engine", param="response_format")
         if body.get("stop"):
             raise EngineRequestError("`stop` is not supported by the transformers engine; use vLLM",
                                      param="stop")

@@ -1,0 +1,149 @@
+"""RULER against a judge that misbehaves on purpose, and the plugin route."""
+
+import json
+
+import openai
+import pytest
+
+import tracerl
+from tests.judge_server import JudgeServer, good
+from tracerl.ruler import Ruler, RulerError, parse_scores, trajectory_id
+
+SYSTEM = {"role": "system", "content": "You are a shopping agent."}
+TASK = {"role": "user", "content": "Buy the cheapest red shoe."}
+
+
+def traj(answer, reward=0.0):
+    return tracerl.Trajectory(messages_and_choices=[SYSTEM, TASK, {"role": "assistant", "content": answer}],
+                              reward=reward)
+
+
+def group(*answers):
+    return tracerl.TrajectoryGroup([traj(a, reward=float(i)) for i, a in enumerate(answers)])
+
+
+@pytest.fixture
+def judge():
+    servers = []
+
+    def make(*behaviours, **kwargs):
+        server = JudgeServer(list(behaviours))
+        servers.append(server)
+        client = openai.AsyncOpenAI(base_url=server.url, api_key="k", max_retries=0)
+        return server, Ruler(client, "judge", **kwargs)
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+def by_answer(g):
+    return {t.messages()[-1]["content"]: t.reward for t in g}
+
+
+async def test_scores_are_matched_by_id_and_shared_context_sent_once(judge):
+    g = group("bought red shoe for $10", "gave up", "bought blue shoe")
+    scores = {trajectory_id([{"role": "assistant", "content": a}]): s
+              for a, s in [("bought red shoe for $10", 0.9), ("gave up", 0.1), ("bought blue shoe", 0.4)]}
+    server, ruler = judge(good(lambda tid, k: scores[tid]))
+    out = await ruler.score_group(g)
+    assert by_answer(out) == {"bought red shoe for $10": 0.9, "gave up": 0.1, "bought blue shoe": 0.4}
+    assert [t.metrics["independent_reward"] for t in out] == [0.0, 1.0, 2.0]
+    prompt = server.requests[0]["messages"][-1]["content"]
+    assert prompt.count("Buy the cheapest red shoe.") == 1  # the shared prefix, once
+    assert "<shared_context>" in prompt
+    assert server.requests[0]["response_format"]["type"] == "json_schema"
+    meta = out.metadata["ruler"]
+    assert meta["shared_messages"] == 2 and meta["calls"] == 1 and meta["prompt_tokens"] == 100
+    assert meta["latency_s"] > 0
+
+
+async def test_malformed_json_is_retried(judge):
+    server, ruler = judge(lambda r, ids: "{not json}", good(lambda tid, k: 0.5 + 0.1 * k))
+    out = await ruler.score_group(group("a", "b"))
+    assert len(server.requests) == 2 and out.metadata["ruler"]["retries"] == 1
+    assert "not valid JSON" in out.metadata["ruler"]["errors"][0]
+    assert sorted(t.reward for t in out) == [0.5, 0.6]
+
+
+@pytest.mark.parametrize("bad, needle", [
+    (lambda r, ids: json.dumps({"scores": [{"trajectory_id": "t0000000000", "explanation": "", "score": 1}]}),
+     "unknown trajectory id"),
+    (lambda r, ids: json.dumps({"scores": [{"trajectory_id": i, "explanation": "", "score": 7} for i in ids]}),
+     "not a number in [0, 1]"),
+    (lambda r, ids: json.dumps({"scores": [{"trajectory_id": ids[0], "explanation": "", "score": 1}]}),
+     "did not score"),
+])
+async def test_invalid_answers_fail_clearly_after_retries_or_are_swallowed(judge, bad, needle):
+    server, ruler = judge(bad, max_retries=2)
+    g = group("a", "b")
+    with pytest.raises(RulerError, match="after 3 attempts") as e:
+        await ruler.score_group(g)
+    assert needle in str(e.value) and len(server.requests) == 3
+    assert [t.reward for t in g] == [0.0, 1.0]  # untouched
+    assert await ruler.score_group(g, swallow_exceptions=True) is None
+
+
+async def test_a_stalled_judge_times_out(judge):
+    _, ruler = judge(lambda r, ids: None, max_retries=1, timeout_s=0.5)
+    with pytest.raises(RulerError, match=r"did not answer within 0\.5 s"):
+        await ruler.score_group(group("a", "b"))
+
+
+async def test_identical_trajectories_get_identical_scores_and_are_sent_once(judge):
+    server, ruler = judge(good(lambda tid, k: 0.2 + 0.3 * k))
+    out = await ruler.score_group(group("same", "other", "same"))
+    r = [t.reward for t in out]
+    assert r[0] == r[2] and r[0] != r[1]
+    assert server.requests[0]["messages"][-1]["content"].count("<trajectory id=") == 2
+
+
+async def test_answers_are_cached_on_disk(judge, tmp_path):
+    server, ruler = judge(good(lambda tid, k: 0.3 + 0.2 * k), cache_dir=tmp_path)
+    first = by_answer(await ruler.score_group(group("a", "b")))
+    again = await ruler.score_group(group("a", "b"))
+    assert by_answer(again) == first and len(server.requests) == 1
+    assert again.metadata["ruler"]["cache_hits"] == 1
+
+
+async def test_large_groups_are_chunked_around_a_shared_anchor(judge):
+    """The second chunk's judge is 0.2 more generous; the anchor shift removes that bias."""
+    base = {trajectory_id([{"role": "assistant", "content": f"answer {i}"}]): 0.1 * (i + 1) for i in range(5)}
+    calls = []
+
+    def biased(request, ids):
+        calls.append(ids)
+        bias = 0.2 * (len(calls) - 1)
+        return json.dumps({"scores": [{"trajectory_id": t, "explanation": "", "score": min(1, base[t] + bias)}
+                                      for t in ids]})
+
+    server, ruler = judge(biased, chunk_size=3)
+    out = await ruler.score_group(group(*[f"answer {i}" for i in range(5)]))
+    assert len(server.requests) == 2
+    anchor = calls[0][0]
+    assert all(anchor == c[0] for c in calls)
+    rewards = [t.reward for t in out]  # anchor = the mean of its chunk scores; gaps stay true
+    assert [round(r - rewards[0], 6) for r in rewards] == [0.0, 0.1, 0.2, 0.3, 0.4]
+
+
+def test_parse_scores_rejects_duplicates_and_booleans():
+    with pytest.raises(ValueError, match="twice"):
+        parse_scores('{"scores": [{"trajectory_id": "a", "score": 1}, {"trajectory_id": "a", "score": 1}]}', ["a"])
+    with pytest.raises(ValueError, match="not a number"):
+        parse_scores('{"scores": [{"trajectory_id": "a", "score": true}]}', ["a"])
+
+
+async def test_ruler_as_after_each_and_as_plugin(judge, monkeypatch):
+    server, _ = judge(good(lambda tid, k: 0.25 * (k + 1)))
+    monkeypatch.setenv("TRACERL_RULER_MODEL", "judge")
+    monkeypatch.setenv("TRACERL_RULER_BASE_URL", server.url)
+    from tracerl.core.plugins import score_group
+
+    async def rollout(answer):
+        return traj(answer)
+
+    groups = await tracerl.gather_trajectory_groups(
+        [tracerl.TrajectoryGroup([rollout("x"), rollout("y")])],
+        after_each=lambda g: score_group(g, judge="ruler"), show_progress=False)
+    assert sorted(t.reward for t in groups[0]) == [0.25, 0.5]
+    assert "ruler" in groups[0].metadata
