@@ -38,6 +38,14 @@ class JudgeServer:
                 if answer is None:
                     time.sleep(3)
                     answer = "{}"
+                if answer == "HTTP400":
+                    err = json.dumps({"error": {"message": "response_format is not supported"}}).encode()
+                    self.send_response(400)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(err)))
+                    self.end_headers()
+                    self.wfile.write(err)
+                    return
                 data = json.dumps({
                     "id": "j", "object": "chat.completion", "created": 0, "model": body["model"],
                     "choices": [{"index": 0, "finish_reason": "stop",

@@ -147,3 +147,13 @@ async def test_ruler_as_after_each_and_as_plugin(judge, monkeypatch):
         after_each=lambda g: score_group(g, judge="ruler"), show_progress=False)
     assert sorted(t.reward for t in groups[0]) == [0.25, 0.5]
     assert "ruler" in groups[0].metadata
+
+
+async def test_endpoint_without_structured_output_gets_a_plain_request(judge):
+    def strict(request, ids):
+        return "HTTP400" if "response_format" in request else good(lambda t, k: 0.5)(request, ids)
+
+    server, ruler = judge(strict)
+    out = await ruler.score_group(group("a", "b"))
+    assert [("response_format" in r) for r in server.requests] == [True, False]
+    assert [t.reward for t in out] == [0.5, 0.5]
