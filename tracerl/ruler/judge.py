@@ -195,7 +195,9 @@ class Ruler:
                 last_error = f"the judge did not answer within {self.timeout_s} s"
                 stats.errors.append(last_error)
                 continue
-            except Exception as e:
+            except Exception as e:  # an API error is retried like a bad answer
+                if kwargs and getattr(e, "status_code", None) == 400:
+                    kwargs = {}  # the endpoint has no structured output: ask in plain text
                 last_error = f"judge request failed: {type(e).__name__}: {e}"
                 stats.errors.append(last_error)
                 continue
