@@ -81,12 +81,13 @@ class TransformersEngine(Engine):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
-                 "float16": torch.float16}[self.spec.config.dtype]
+        cuda = torch.cuda.is_available()
+        dtype = {"auto": torch.bfloat16 if cuda else torch.float32, "float32": torch.float32,
+                 "bfloat16": torch.bfloat16, "float16": torch.float16}[self.spec.config.dtype]
         self.tokenizer = AutoTokenizer.from_pretrained(self.spec.model_path)
         self.tokenizer.padding_side = "left"
         model = AutoModelForCausalLM.from_pretrained(self.spec.model_path, dtype=dtype)
-        model.eval()
+        model.to("cuda" if cuda else "cpu").eval()
         self.model = model
 
     async def stop(self) -> None:
@@ -195,8 +196,9 @@ class TransformersEngine(Engine):
         rows = [(job, job.prompt_ids) for job in batch for _ in range(job.n)]
         width = max(len(ids) for _, ids in rows)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for _, ids in rows])
-        attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in rows])
+        device = next(self.model.parameters()).device
+        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for _, ids in rows], device=device)
+        attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in rows], device=device)
         first = batch[0]
         sample = first.temperature > 0
         gen_kwargs: dict[str, Any] = {"do_sample": sample}
@@ -218,16 +220,21 @@ class TransformersEngine(Engine):
                     return_dict_in_generate=True, **gen_kwargs,
                 )
         new = out.sequences[:, width:]
+        new_cpu = new.cpu()
         steps = len(out.scores)
-        logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1) if steps else None
+        logprobs = None
+        if steps:  # only the sampled tokens' logprobs leave the device
+            picked = [torch.log_softmax(s.float(), dim=-1).gather(-1, new[:, t:t + 1])
+                      for t, s in enumerate(out.scores)]
+            logprobs = torch.cat(picked, dim=1).cpu()
         for row, (job, _) in enumerate(rows):
             ids: list[int] = []
             lps: list[float] = []
             finish = "length"
             for t in range(min(steps, job.max_tokens)):
-                token = int(new[row, t])
+                token = int(new_cpu[row, t])
                 ids.append(token)
-                lps.append(float(logprobs[row, t, token]))  # type: ignore[index]
+                lps.append(float(logprobs[row, t]))  # type: ignore[index]
                 if token in eos:
                     finish = "stop"
                     break
