@@ -201,7 +201,9 @@ class TransformersEngine(Engine):
         attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in rows], device=device)
         first = batch[0]
         sample = first.temperature > 0
-        gen_kwargs: dict[str, Any] = {"do_sample": sample}
+        # neutralise generation_config defaults the trainer cannot reproduce (penalties, top-k)
+        gen_kwargs: dict[str, Any] = {"do_sample": sample, "repetition_penalty": 1.0,
+                                      "no_repeat_ngram_size": 0}
         if sample:
             gen_kwargs.update(temperature=first.temperature, top_p=first.top_p, top_k=0)
         eos = self._eos_ids()
