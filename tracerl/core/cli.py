@@ -40,6 +40,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                     group_size=args.group_size, groups_per_step=args.groups)
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from .report import write_report
+
+    print(write_report(args.model_dir, out=args.out, step=args.step))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tracerl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -51,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prepare-model", help="resolve/convert a base model and print its folder")
     p.add_argument("base_model", nargs="?", default="smollm2")
     p.set_defaults(func=_cmd_prepare_model)
+
+    p = sub.add_parser("report", help="write an HTML report (curves, best/worst trajectories)")
+    p.add_argument("model_dir", help="e.g. .tracerl/PROJECT/models/NAME")
+    p.add_argument("--out", default=None, help="default: MODEL_DIR/report.html")
+    p.add_argument("--step", type=int, default=None, help="training step to show (default: last)")
+    p.set_defaults(func=_cmd_report)
 
     p = sub.add_parser("demo", help="train SmolLM2-135M with GRPO on CPU on a verifiable task")
     p.add_argument("--steps", type=int, default=None)

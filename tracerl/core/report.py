@@ -1,0 +1,108 @@
+"""``tracerl report MODEL_DIR``: a self-contained HTML report (inline SVG, no dependencies).
+
+Reward and loss curves per step from ``history.jsonl``, and the best and worst trajectories of
+a training step from ``trajectories/train/{step}.jsonl``.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+from .storage import atomic_write_text, read_jsonl
+from .trajectory import read_groups_jsonl
+
+WIDTH, HEIGHT, PAD = 640, 240, 40
+COLOURS = {"train": "#1f77b4", "val": "#d62728"}
+
+
+def _series(history: list[dict[str, Any]], metric: str) -> dict[str, list[tuple[int, float]]]:
+    out: dict[str, list[tuple[int, float]]] = {}
+    for h in history:
+        if metric in h and isinstance(h[metric], int | float):
+            out.setdefault(h.get("split", "train"), []).append((int(h["step"]), float(h[metric])))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def svg_chart(title: str, series: dict[str, list[tuple[int, float]]]) -> str:
+    """A line chart with one polyline per split."""
+    points = [p for s in series.values() for p in s]
+    if not points:
+        return f"<p>No {html.escape(title)} recorded.</p>"
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    x0, x1 = min(xs), max(max(xs), min(xs) + 1)
+    y0, y1 = min(ys), max(ys)
+    if y1 - y0 < 1e-12:
+        y0, y1 = y0 - 0.5, y1 + 0.5
+
+    def sx(x: float) -> float:
+        return PAD + (x - x0) / (x1 - x0) * (WIDTH - 2 * PAD)
+
+    def sy(y: float) -> float:
+        return HEIGHT - PAD - (y - y0) / (y1 - y0) * (HEIGHT - 2 * PAD)
+
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" role="img" '
+             f'aria-label="{html.escape(title)}">',
+             f'<text x="{PAD}" y="20" font-size="14">{html.escape(title)}</text>',
+             f'<line x1="{PAD}" y1="{HEIGHT - PAD}" x2="{WIDTH - PAD}" y2="{HEIGHT - PAD}" stroke="#999"/>',
+             f'<line x1="{PAD}" y1="{PAD}" x2="{PAD}" y2="{HEIGHT - PAD}" stroke="#999"/>',
+             f'<text x="4" y="{sy(y1) + 4:.1f}" font-size="10">{y1:.3g}</text>',
+             f'<text x="4" y="{sy(y0) + 4:.1f}" font-size="10">{y0:.3g}</text>',
+             f'<text x="{PAD}" y="{HEIGHT - 20}" font-size="10">step {x0}</text>',
+             f'<text x="{WIDTH - PAD - 40}" y="{HEIGHT - 20}" font-size="10">step {x1}</text>']
+    for k, (split, pts) in enumerate(sorted(series.items())):
+        colour = COLOURS.get(split, "#2ca02c")
+        coords = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in pts)
+        parts.append(f'<polyline class="series-{html.escape(split)}" fill="none" stroke="{colour}" '
+                     f'stroke-width="2" points="{coords}"/>')
+        for x, y in pts:
+            parts.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{colour}"/>')
+        parts.append(f'<text x="{WIDTH - PAD - 60}" y="{20 + 14 * k}" font-size="12" fill="{colour}">'
+                     f'{html.escape(split)}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts)
+
+
+def _render_trajectory(t: Any) -> str:
+    rows = []
+    for m in t.messages():
+        content = m.get("content") or json.dumps(m.get("tool_calls") or "")
+        rows.append(f"<div class='msg'><b>{html.escape(str(m.get('role')))}</b>: "
+                    f"<pre>{html.escape(str(content))}</pre></div>")
+    return (f"<div class='traj'><p>reward <b>{t.reward:.4g}</b> &middot; rollout "
+            f"{html.escape(t.rollout_id or '-')}</p>{''.join(rows)}</div>")
+
+
+def build_report(model_dir: Path, step: int | None = None, n: int = 2) -> str:
+    model_dir = Path(model_dir)
+    history_path = model_dir / "history.jsonl"
+    if not history_path.exists():
+        raise ConfigError(f"{model_dir} is not a model folder (no history.jsonl)")
+    history = read_jsonl(history_path)
+    steps = sorted(int(p.stem) for p in (model_dir / "trajectories" / "train").glob("*.jsonl"))
+    body = [f"<h1>{html.escape(model_dir.name)}</h1>",
+            svg_chart("reward", _series(history, "reward")),
+            svg_chart("loss", _series(history, "loss"))]
+    if steps:
+        step = steps[-1] if step is None else step
+        path = model_dir / "trajectories" / "train" / f"{step:04d}.jsonl"
+        if not path.exists():
+            raise ConfigError(f"no trajectories were saved for step {step}; steps: {steps}")
+        trajectories = sorted((t for g in read_groups_jsonl(path) for t in g), key=lambda t: t.reward)
+        body.append(f"<h2>Step {step}: best {min(n, len(trajectories))}</h2>")
+        body += [_render_trajectory(t) for t in reversed(trajectories[-n:])]
+        body.append(f"<h2>Step {step}: worst {min(n, len(trajectories))}</h2>")
+        body += [_render_trajectory(t) for t in trajectories[:n]]
+    style = ("body{font-family:sans-serif;max-width:900px;margin:2em auto}pre{white-space:pre-wrap;"
+             "margin:0}.traj{border:1px solid #ddd;padding:.5em;margin:.5em 0}.msg{margin:.2em 0}")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>tracerl report</title>"
+            f"<style>{style}</style></head><body>{''.join(body)}</body></html>")
+
+
+def write_report(model_dir: Path, out: Path | None = None, step: int | None = None) -> Path:
+    out = Path(out) if out else Path(model_dir) / "report.html"
+    atomic_write_text(out, build_report(Path(model_dir), step=step))
+    return out
