@@ -72,7 +72,7 @@ async def check_streamed_call_is_recorded(model, messages, max_tokens: int) -> N
 
 
 def render_ids(tokenizer, messages, tools=None) -> list[int]:
-    """A fresh chat-template tokenization of ``messages`` with the generation prompt."""
-    kwargs = {"tools": tools} if tools else {}
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    """A fresh chat-template tokenization of ``messages`` with the generation prompt: the tests'
+    own oracle, written independently of tracerl.backend.chat_template on purpose."""
+    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ...core.hookspecs import hookimpl
+from ..chat_template import render_prompt
 from ..tool_parsers import PARSERS
 from .base import Engine, EngineRequestError, EngineSpec, EngineUnavailableError
 
@@ -126,17 +127,10 @@ class TransformersEngine(Engine):
                                  param="model", code="model_not_found")
 
     def render_chat(self, body: dict[str, Any]) -> list[int]:
-        kwargs: dict[str, Any] = {}
-        if body.get("tools"):
-            kwargs["tools"] = body["tools"]
         try:
-            ids = self.tokenizer.apply_chat_template(
-                body["messages"], add_generation_prompt=True, tokenize=True, **kwargs)
+            return render_prompt(self.tokenizer, body["messages"], body.get("tools"))
         except Exception as e:
             raise EngineRequestError(f"could not apply the chat template: {e}", param="messages") from e
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
 
     async def _submit(self, prompt_ids: list[int], body: dict[str, Any]) -> list[tuple[list[int], list[float], str]]:
         if self._queue is None or not await self.healthy():

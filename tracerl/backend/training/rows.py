@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from openai.types.chat.chat_completion import Choice
@@ -48,7 +48,6 @@ class RowStats:
     rendered_rows: int = 0
     empty_trajectories: int = 0
     truncated_rows: int = 0
-    notes: list[str] = field(default_factory=list)
 
     def as_metrics(self) -> dict[str, float]:
         return {"rows": float(self.rows), "merged_calls": float(self.merged_calls),

@@ -17,6 +17,7 @@ import torch
 
 from ...core.config import LoraConfig, TrainConfig
 from ...core.trajectory import TrajectoryGroup
+from ..chat_template import render_prompt
 from .loss import group_advantages, grpo_per_token_loss, reduce_loss, token_entropy, token_logprobs
 from .rows import Row, RowStats, has_unknown_logprobs, rows_from_calls, rows_from_messages
 
@@ -105,9 +106,7 @@ class Trainer:
     # --- rows ------------------------------------------------------------------------------
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
-        kwargs = {"tools": tools} if tools else {}
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return render_prompt(self.tokenizer, messages, tools)
 
     def build_rows(self, groups: list[TrajectoryGroup], config: TrainConfig
                    ) -> tuple[list[Row], RowStats, int]:
