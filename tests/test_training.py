@@ -41,6 +41,7 @@ async def test_train_step_saves_checkpoint_and_serves_it(tf_backend):
     assert abs(metrics["ratio"] - 1) < 0.02
     (train_line,) = [h for h in await model.history() if h["split"] == "train"]
     assert train_line["step"] == 1 and "loss" in train_line
+    assert train_line["reward"] == 1.0 and train_line["num_trajectories"] == 3  # rewards 0, 1, 2
 
     with tracerl.rollout_scope() as ro:
         await model.openai_client().chat.completions.create(

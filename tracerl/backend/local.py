@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from ..core.config import TrainConfig
 from ..core.errors import ConfigError, EngineError, TrainingError
 from ..core.hookspecs import hookimpl
+from ..core.metrics import summarize_groups
 from ..core.plugins import collect_classes, get_plugin_manager
 from ..core.storage import ModelStore, atomic_directory
 from ..core.trajectory import LLMCall, TrajectoryGroup, write_groups_jsonl
@@ -223,7 +224,8 @@ class LocalBackend(Backend):
                 await asyncio.to_thread(trainer.save, tmp)
             await self._gateway().call(
                 self.gateway.swap_adapter(model.name, step, store.checkpoint_dir(step)))
-            metrics["seconds"] = time.perf_counter() - started
+            metrics = {**summarize_groups(groups), **metrics,
+                       "seconds": time.perf_counter() - started}  # reward curves need the rewards
             store.log_history(step, "train", metrics)
             hook.tracerl_after_train_step(model=model, step=step, metrics=metrics)
             hook.tracerl_log_metrics(model=model, step=step, split="train", metrics=metrics)
