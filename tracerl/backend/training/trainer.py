@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ...core.config import LoraConfig, TrainConfig
@@ -149,28 +150,31 @@ class Trainer:
         start = max(min(r.loss_mask.index(True) for r in batch), 1)
         pad = self.tokenizer.pad_token_id or 0
 
-        def padded(values: list[list[Any]], fill: Any, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor([v + [fill] * (width - len(v)) for v in values], dtype=dtype,
-                                device=self.device)
+        def padded(values: list[list[Any]], fill: Any, dtype: Any) -> torch.Tensor:
+            # numpy fills rows ~10x faster than torch.tensor() on nested lists
+            arr = np.full((len(values), width), fill, dtype=dtype)
+            for i, v in enumerate(values):
+                arr[i, :len(v)] = v
+            return torch.from_numpy(arr).to(self.device)
 
-        ids = padded([r.input_ids for r in batch], pad, torch.long)
-        old = padded([r.old_logprobs for r in batch], 0.0, torch.float32)[:, start:]
+        ids = padded([r.input_ids for r in batch], pad, np.int64)
+        old = padded([r.old_logprobs for r in batch], 0.0, np.float32)[:, start:]
         return {
             "input_ids": ids,
-            "attention_mask": padded([[1] * len(r) for r in batch], 0, torch.long),
+            "attention_mask": padded([[1] * len(r) for r in batch], 0, np.int64),
             "keep": torch.tensor(width - start + 1),
             "targets": ids[:, start:],
-            "mask": padded([r.loss_mask for r in batch], False, torch.bool)[:, start:],
+            "mask": padded([r.loss_mask for r in batch], False, np.bool_)[:, start:],
             # prompt positions hold NaN (no logprob); zero them, as NaN * 0 would poison the sum
             "old": torch.nan_to_num(old, nan=0.0),
-            "temps": padded([r.temperatures for r in batch], 1.0, torch.float32)[:, start:],
+            "temps": padded([r.temperatures for r in batch], 1.0, np.float32)[:, start:],
             "adv": torch.tensor([r.advantage for r in batch], dtype=torch.float32, device=self.device),
         }
 
     def _logits(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
         """Logits predicting ``t['targets']`` (positions start-1 .. width-2)."""
         out = self.model(input_ids=t["input_ids"], attention_mask=t["attention_mask"],
-                         logits_to_keep=int(t["keep"]))
+                         logits_to_keep=int(t["keep"]), use_cache=False)  # no KV cache in training
         return out.logits[:, :-1]
 
     def train_step(self, groups: list[TrajectoryGroup], config: TrainConfig) -> dict[str, float]:
