@@ -64,3 +64,16 @@ def test_unregistered_model_says_what_to_do():
     m = tracerl.TrainableModel(name="m", project="p", base_model="smollm2")
     with pytest.raises(tracerl.NotRegisteredError, match=r"await model.register\(backend\)"):
         m.openai_client()
+
+
+def test_group_jsonl_append_keeps_earlier_lines(tmp_path):
+    from tracerl.core.trajectory import read_groups_jsonl, write_groups_jsonl
+
+    path = tmp_path / "val" / "0000.jsonl"
+    g1 = tracerl.TrajectoryGroup([tracerl.Trajectory(messages_and_choices=[], reward=1.0)])
+    g2 = tracerl.TrajectoryGroup([tracerl.Trajectory(messages_and_choices=[], reward=2.0)])
+    write_groups_jsonl(path, [g1], append=True)  # no file yet: just written
+    write_groups_jsonl(path, [g2], append=True)
+    assert read_groups_jsonl(path) == [g1, g2]
+    write_groups_jsonl(path, [g2])
+    assert read_groups_jsonl(path) == [g2]

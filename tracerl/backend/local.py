@@ -174,7 +174,7 @@ class LocalBackend(Backend):
                   metrics: dict[str, float]) -> None:
         store = self.store(model)
         path = store.trajectories_path(split, step)
-        _append_groups(path, groups)  # several log() calls of one step add up
+        write_groups_jsonl(path, groups, append=True)  # several log() calls of one step add up
         store.log_history(step, split, metrics)
 
     async def history(self, model: Any) -> list[dict[str, Any]]:
@@ -242,13 +242,6 @@ class LocalBackend(Backend):
         if self._thread is not None:
             self._thread.stop()
             self._thread = None
-
-
-def _append_groups(path: Path, groups: list[TrajectoryGroup]) -> None:
-    from ..core.storage import atomic_write_text
-
-    existing = path.read_text() if path.exists() else ""
-    atomic_write_text(path, existing + "".join(g.model_dump_json() + "\n" for g in groups))
 
 
 @hookimpl

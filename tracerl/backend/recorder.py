@@ -13,7 +13,7 @@ import uuid
 from collections import defaultdict
 from typing import Any
 
-from ..core.storage import ModelStore, append_jsonl
+from ..core.storage import ModelStore, append_jsonl, read_jsonl
 from ..core.trajectory import CompletionRecord, LLMCall
 
 UNATTRIBUTED = "unattributed"
@@ -171,7 +171,5 @@ class CallStore:
             calls = self._calls.pop((store.name, rollout_id), None)
         if calls is not None:
             return calls
-        from ..core.storage import read_jsonl
-
         path = store.calls_path(rollout_id)
         return [LLMCall.model_validate(r) for r in read_jsonl(path)] if path.exists() else []

@@ -285,11 +285,12 @@ class TrajectoryGroup(_Validated):
 
 
 
-def write_groups_jsonl(path: Path, groups: Iterable[TrajectoryGroup]) -> None:
-    """Write groups to ``path`` atomically, one group per line."""
+def write_groups_jsonl(path: Path, groups: Iterable[TrajectoryGroup], append: bool = False) -> None:
+    """Write groups to ``path`` atomically, one group per line (after its lines, if ``append``)."""
     from .storage import atomic_write_text
 
-    atomic_write_text(path, "".join(g.model_dump_json() + "\n" for g in groups))
+    existing = Path(path).read_text() if append and Path(path).exists() else ""
+    atomic_write_text(path, existing + "".join(g.model_dump_json() + "\n" for g in groups))
 
 
 def read_groups_jsonl(path: Path) -> list[TrajectoryGroup]:

@@ -8,11 +8,11 @@ OTLP; call :func:`flush` before the process ends.
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
 from ..core.hookspecs import hookimpl
+from . import logger_enabled
 
 _client: Any = None
 _options: dict[str, Any] = {}
@@ -20,7 +20,7 @@ _lock = threading.Lock()
 
 
 def enabled() -> bool:
-    return "langfuse" in {x.strip() for x in os.environ.get("TRACERL_LOGGERS", "").split(",")}
+    return logger_enabled("langfuse")
 
 
 def configure(**options: Any) -> None:

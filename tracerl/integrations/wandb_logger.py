@@ -8,18 +8,18 @@ Metrics are logged as ``{split}/{name}`` at the model's step.
 from __future__ import annotations
 
 import json
-import os
 import threading
 from typing import Any
 
 from ..core.hookspecs import hookimpl
+from . import logger_enabled
 
 _runs: dict[tuple[str, str], Any] = {}
 _lock = threading.Lock()
 
 
 def enabled() -> bool:
-    return "wandb" in {x.strip() for x in os.environ.get("TRACERL_LOGGERS", "").split(",")}
+    return logger_enabled("wandb")
 
 
 def _run(model: Any) -> Any:
