@@ -69,6 +69,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tokenizer", help="tokenizer folder for --random-init (default: SmolLM2's)")
     ap.add_argument("--json", help="also write the result here")
+    ap.add_argument("--profile", action="store_true",
+                    help="print the top kernels of one step of each side (torch.profiler)")
     args = ap.parse_args()
 
     import trl
@@ -135,12 +137,23 @@ def main() -> None:
         return time.perf_counter() - t
 
     step_ours(), step_trl()  # warm-up
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        for name, fn in (("tracerl", step_ours), ("trl", step_trl)):
+            with profile(activities=acts) as prof:
+                timed(fn)
+            key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+            print(f"== {name}\n" + prof.key_averages().table(sort_by=key, row_limit=18))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    t_ours, t_trl = [], []
+    t_ours, t_trl, t_build = [], [], []
     for _ in range(args.repeats):
         t_ours.append(timed(step_ours))
         t_trl.append(timed(step_trl))
+        # host-side tensor building is part of our step (rows -> padded tensors); TRL's inputs
+        # arrive ready, so it is also reported on its own
+        t_build.append(timed(lambda: [ours._tensors(b) for b in batches]))
     tokens = B * (P + C)
     result = {
         "model": args.random_init or str(args.model), "device": str(device), "batch": B,
@@ -149,6 +162,9 @@ def main() -> None:
         "trl_tokens_per_s": tokens / statistics.median(t_trl),
     }
     result["ratio_tracerl_over_trl"] = result["tracerl_tokens_per_s"] / result["trl_tokens_per_s"]
+    result["tracerl_tensor_build_ms"] = 1000 * statistics.median(t_build)
+    result["ratio_without_tensor_build"] = statistics.median(t_trl) / (
+        statistics.median(t_ours) - statistics.median(t_build))
     # LoRA step FLOPs: forward 2N + input-gradient backward 2N per token (frozen weights get no
     # weight gradients); attention and the small LoRA matrices are left out.
     n_params = sum(p.numel() for p in model.parameters())

@@ -9,5 +9,5 @@ for cfg in "qwen2.5-0.5b 8" "qwen2.5-0.5b 32" "qwen2.5-1.5b 32" "qwen2.5-7b 8"; 
   set -- $cfg
   timeout 280 python3 benchmarks/train_step_vs_trl.py --random-init "$1" --tokenizer .whl/tok \
     --batch "$2" --prompt 256 --completion 256 --repeats 3 --json "$OUT/$1-b$2.json" 2>&1 \
-    | grep -E '"(model|batch|tracerl_tokens_per_s|trl_tokens_per_s|ratio_tracerl_over_trl|tracerl_mfu|trl_mfu|peak_memory_gib)"|Error'
+    | grep -E '"(model|batch|tracerl_tokens_per_s|trl_tokens_per_s|ratio_tracerl_over_trl|tracerl_mfu|trl_mfu|peak_memory_gib|tracerl_tensor_build_ms|ratio_without_tensor_build|trainer_backend)"|Error'
 done

@@ -172,9 +172,15 @@ class Trainer:
         }
 
     def _logits(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Logits predicting ``t['targets']`` (positions start-1 .. width-2)."""
-        out = self.model(input_ids=t["input_ids"], attention_mask=t["attention_mask"],
-                         logits_to_keep=int(t["keep"]), use_cache=False)  # no KV cache in training
+        """Logits predicting ``t['targets']`` (positions start-1 .. width-2).
+
+        On CUDA the forward runs under bf16 autocast: peft keeps LoRA weights in fp32 (the
+        master copy the optimizer updates), and without autocast every adapter matmul would
+        run as an fp32 GEMM with casts around it (measured: ~30% of a 0.5B step on an H200).
+        """
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.device.type == "cuda"):
+            out = self.model(input_ids=t["input_ids"], attention_mask=t["attention_mask"],
+                             logits_to_keep=int(t["keep"]), use_cache=False)  # no KV cache in training
         return out.logits[:, :-1]
 
     def train_step(self, groups: list[TrajectoryGroup], config: TrainConfig) -> dict[str, float]:
