@@ -57,6 +57,18 @@ async def tf_backend(tmp_path_factory):
     await backend.close()
 
 
+@pytest.fixture(scope="session")
+async def agent_model(tf_backend):
+    """A second model on the session backend, served with a tool-calling chat template."""
+    import tracerl
+
+    backend, _ = tf_backend
+    model = tracerl.TrainableModel(name="agent", project="tests", base_model="smollm2", config=tracerl.ModelConfig(
+        engine=tracerl.EngineConfig(max_model_len=2048, chat_template="chatml-tools", tool_call_parser="hermes")))
+    await model.register(backend)
+    return model
+
+
 async def check_streamed_call_is_recorded(model, messages, max_tokens: int) -> None:
     """Stream a chat completion through the gateway and check its record matches the stream."""
     import tracerl

@@ -2,7 +2,28 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+TEMPLATES_DIR = Path(__file__).parent / "templates"
+BUILTIN_TEMPLATES = {p.stem: p for p in TEMPLATES_DIR.glob("*.jinja")}
+
+
+def chat_template_path(name_or_path: str) -> Path:
+    """The Jinja file of a built-in template name or of a path given by the user."""
+    if name_or_path in BUILTIN_TEMPLATES:
+        return BUILTIN_TEMPLATES[name_or_path]
+    path = Path(name_or_path).expanduser()
+    if not path.is_file():
+        raise ValueError(f"chat_template {name_or_path!r} is neither a built-in template "
+                         f"({', '.join(sorted(BUILTIN_TEMPLATES))}) nor a file")
+    return path
+
+
+def apply_chat_template_override(tokenizer: Any, name_or_path: str | None) -> None:
+    """Make ``tokenizer`` render with the configured template (no-op for None)."""
+    if name_or_path:
+        tokenizer.chat_template = chat_template_path(name_or_path).read_text()
 
 
 def render_prompt(tokenizer: Any, messages: list[dict[str, Any]],

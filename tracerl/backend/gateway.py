@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..core.context import ROLLOUT_HEADER
+from ..core.context import MAX_TAGS_BYTES, ROLLOUT_HEADER, TAGS_HEADER
 from ..core.errors import EngineError
 from ..core.plugins import get_plugin_manager
 from ..core.storage import ModelStore, validate_name
@@ -73,6 +73,30 @@ class _SwapLock:
         async with self._cond:
             self._swapping = False
             self._cond.notify_all()
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """Who made a call: the rollout (path or header) and the caller's call tags."""
+
+    rollout_id: str | None
+    tags: dict[str, Any] | None = None
+
+
+def parse_tags(header: str | None) -> dict[str, Any] | None:
+    """The ``x-tracerl-tags`` header: a small JSON object of scalar values."""
+    if header is None:
+        return None
+    if len(header.encode()) > MAX_TAGS_BYTES:
+        raise EngineRequestError(f"{TAGS_HEADER} is larger than {MAX_TAGS_BYTES} bytes", param=TAGS_HEADER)
+    try:
+        tags = json.loads(header)
+    except json.JSONDecodeError:
+        raise EngineRequestError(f"{TAGS_HEADER} must be a JSON object", param=TAGS_HEADER) from None
+    if not isinstance(tags, dict) or not all(
+            isinstance(k, str) and isinstance(v, str | int | float | bool | type(None)) for k, v in tags.items()):
+        raise EngineRequestError(f"{TAGS_HEADER} must be a JSON object of scalar values", param=TAGS_HEADER)
+    return tags
 
 
 @dataclass
@@ -234,6 +258,7 @@ class Gateway:
             rollout_id = path_rollout or request.headers.get(ROLLOUT_HEADER)
             if rollout_id is not None:
                 validate_name("rollout id", rollout_id)
+            who = Attribution(rollout_id, parse_tags(request.headers.get(TAGS_HEADER)))
             self._check_body(endpoint, body)
             served, engine_model, step = self._route(body.get("model"))
         except EngineRequestError as e:
@@ -247,7 +272,7 @@ class Gateway:
             if endpoint != "chat.completions":
                 return openai_error(400, "streaming is supported for chat completions only",
                                     param="stream")
-            return await self._stream(served, engine_body, body, rollout_id, step, timeout)
+            return await self._stream(served, engine_body, body, who, step, timeout)
 
         await served.swap.acquire_read()
         started = time.perf_counter()
@@ -265,21 +290,23 @@ class Gateway:
         finally:
             await served.swap.release_read()
         response["model"] = body["model"]
-        self._record(served, endpoint, body, response, rollout_id, step,
+        self._record(served, endpoint, body, response, who, step,
                      time.perf_counter() - started, streamed=False)
         return JSONResponse(strip_for_caller(endpoint, body, response))
 
     def _record(self, served: ServedModel, endpoint: str, body: dict[str, Any],
-                response: dict[str, Any] | None, rollout_id: str | None, step: int | None,
+                response: dict[str, Any] | None, who: Attribution, step: int | None,
                 latency: float, streamed: bool, error: str | None = None) -> None:
-        call = build_call(endpoint=endpoint, caller_body=body, response=response, rollout_id=rollout_id,
+        call = build_call(endpoint=endpoint, caller_body=body, response=response, rollout_id=who.rollout_id,
                           model=body.get("model", ""), adapter_step=step, latency_s=latency,
                           streamed=streamed, error=error)
+        if who.tags:
+            call.metadata["tags"] = who.tags
         self.calls.add(served.store, call)
         get_plugin_manager().hook.tracerl_on_llm_call(call=call)
 
     async def _stream(self, served: ServedModel, engine_body: dict[str, Any], body: dict[str, Any],
-                      rollout_id: str | None, step: int | None, timeout: float) -> Any:
+                      who: Attribution, step: int | None, timeout: float) -> Any:
         """Forward SSE chunks as they come while assembling the record."""
         await served.swap.acquire_read()
         started = time.perf_counter()
@@ -317,7 +344,7 @@ class Gateway:
                 yield b"data: " + json.dumps(payload).encode() + b"\n\n"
             finally:
                 await served.swap.release_read()
-                self._record(served, "chat.completions", body, assembler.response(), rollout_id, step,
+                self._record(served, "chat.completions", body, assembler.response(), who, step,
                              time.perf_counter() - started, streamed=True, error=error)
 
         return StreamingResponse(events(), media_type="text/event-stream")

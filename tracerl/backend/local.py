@@ -194,6 +194,7 @@ class LocalBackend(Backend):
             self._trainers[key] = Trainer(
                 model_path=engine.spec.model_path, lora=model.config.lora,
                 adapter_path=store.checkpoint_dir(step) if step > 0 else None,
+                chat_template=model.config.engine.chat_template,
             )
         return self._trainers[key]
 

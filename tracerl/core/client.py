@@ -7,15 +7,19 @@ be shared by any number of concurrent rollouts. Requests get the path form
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx  # noqa: F401 - loaded up front: openai probes it lazily, racily across threads
 import openai
 
-from .context import ROLLOUT_HEADER, current_rollout
+from .context import ROLLOUT_HEADER, TAGS_HEADER, current_call_tags, current_rollout
 
 
 def _attribute(request: Any, model: Any) -> None:
+    tags = current_call_tags()
+    if tags:
+        request.headers[TAGS_HEADER] = json.dumps(tags, separators=(",", ":"))
     ctx = current_rollout()
     if ctx is None:
         return
@@ -26,19 +30,29 @@ def _attribute(request: Any, model: Any) -> None:
         request.url = request.url.copy_with(path=f"/rollouts/{ctx.rollout_id}{path}")
 
 
-def async_client(model: Any, base_url: str, api_key: str, **kwargs: Any) -> openai.AsyncOpenAI:
+def async_http_client(model: Any) -> Any:
+    """An async HTTP client (as openai uses) that attributes requests to the current rollout;
+    for frameworks that build their own OpenAI client (LangChain, ...)."""
     async def hook(request: Any) -> None:
         _attribute(request, model)
 
-    http_client = openai.DefaultAsyncHttpxClient(event_hooks={"request": [hook]})
+    return openai.DefaultAsyncHttpxClient(event_hooks={"request": [hook]})
+
+
+def sync_http_client(model: Any) -> Any:
+    def hook(request: Any) -> None:
+        _attribute(request, model)
+
+    return openai.DefaultHttpxClient(event_hooks={"request": [hook]})
+
+
+def async_client(model: Any, base_url: str, api_key: str, **kwargs: Any) -> openai.AsyncOpenAI:
+    http_client = async_http_client(model)
     kwargs.setdefault("max_retries", 0)  # a retry would record the call twice
     return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=http_client, **kwargs)
 
 
 def sync_client(model: Any, base_url: str, api_key: str, **kwargs: Any) -> openai.OpenAI:
-    def hook(request: Any) -> None:
-        _attribute(request, model)
-
-    http_client = openai.DefaultHttpxClient(event_hooks={"request": [hook]})
+    http_client = sync_http_client(model)
     kwargs.setdefault("max_retries", 0)
     return openai.OpenAI(base_url=base_url, api_key=api_key, http_client=http_client, **kwargs)

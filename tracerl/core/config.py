@@ -58,6 +58,10 @@ class EngineConfig(_Strict):
     max_model_len: int = Field(2048, ge=64)
     max_num_seqs: int = Field(32, ge=1)
     tool_call_parser: str | None = Field(None, description="vLLM tool parser, e.g. 'hermes'")
+    chat_template: str | None = Field(
+        None, description="chat template replacing the model's own: a built-in name "
+        "('chatml-tools': ChatML with hermes tool calls, for SmolLM2 and other ChatML models "
+        "without tool support) or a path to a Jinja file; used for serving and training alike")
     request_timeout_s: float = Field(300.0, gt=0)
     extra_args: list[str] = Field(default_factory=list, description="extra vLLM server flags")
     sleep_during_training: bool = Field(

@@ -20,6 +20,9 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 ROLLOUT_HEADER = "x-rollout-id"
+# JSON object of short scalar tags the gateway stores on the call record (``call_tags``)
+TAGS_HEADER = "x-tracerl-tags"
+MAX_TAGS_BYTES = 2048
 
 
 @dataclass
@@ -33,6 +36,8 @@ class RolloutContext:
     metadata: dict[str, Any] = field(default_factory=dict)
     # Models whose endpoint this rollout called; their calls are attached at the end.
     models: dict[int, Any] = field(default_factory=dict)
+    # Structure recorded by framework adapters (tracerl.core.spans.Span), in start order.
+    spans: list[Any] = field(default_factory=list)
 
     def touch(self, model: Any) -> None:
         """Note that this rollout talked to ``model``'s endpoint."""
@@ -42,6 +47,32 @@ class RolloutContext:
 _current: contextvars.ContextVar[RolloutContext | None] = contextvars.ContextVar(
     "tracerl_rollout", default=None
 )
+
+
+_call_tags: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
+    "tracerl_call_tags", default=None
+)
+EnterHook = Callable[[RolloutContext], Callable[[], None] | None]
+_enter_hooks: list[EnterHook] = []
+
+
+def on_rollout_enter(hook: EnterHook) -> None:
+    """Run ``hook(ctx)`` in the rollout's own context each time a rollout starts.
+
+    Framework adapters use it to switch themselves on inside rollouts (e.g. the LangChain
+    callback handler). The hook may return a function that undoes what it did; it runs when
+    a ``rollout_scope`` block ends (rollouts run by gather end with their task's context).
+    """
+    if hook not in _enter_hooks:
+        _enter_hooks.append(hook)
+
+
+def enter_rollout(ctx: RolloutContext) -> tuple[contextvars.Token[RolloutContext | None],
+                                                  list[Callable[[], None]]]:
+    """Make ``ctx`` the current rollout and run the enter hooks; returns what undoes it."""
+    token = _current.set(ctx)
+    undo = [u for hook in _enter_hooks if (u := hook(ctx)) is not None]
+    return token, undo
 
 
 def new_rollout_id() -> str:
@@ -63,11 +94,32 @@ def rollout_scope(
         rollout_id=rollout_id or new_rollout_id(), index=index,
         group_index=group_index, metadata=dict(metadata),
     )
-    token = _current.set(ctx)
+    token, undo = enter_rollout(ctx)
     try:
         yield ctx
     finally:
+        for u in reversed(undo):
+            u()
         _current.reset(token)
+
+
+def current_call_tags() -> dict[str, Any]:
+    return dict(_call_tags.get() or {})
+
+
+@contextmanager
+def call_tags(**tags: str | int | float | bool | None) -> Iterator[dict[str, Any]]:
+    """Tag every LLM call made in this block (through tracerl's clients): the gateway stores
+    the tags on the call's record (``LLMCall.metadata['tags']``). Nested blocks merge."""
+    merged = {**(_call_tags.get() or {}), **tags}
+    for k, v in merged.items():
+        if not isinstance(v, str | int | float | bool | type(None)):
+            raise TypeError(f"call tag {k!r} must be a str, number, bool or None, got {type(v).__name__}")
+    token = _call_tags.set(merged)
+    try:
+        yield merged
+    finally:
+        _call_tags.reset(token)
 
 
 class ContextThreadPoolExecutor(ThreadPoolExecutor):

@@ -16,8 +16,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from .context import RolloutContext, _current, new_rollout_id
+from .context import RolloutContext, current_rollout, enter_rollout, new_rollout_id, rollout_scope
 from .errors import RolloutTimeoutError, TooManyExceptionsError
+from .spans import link_spans_to_calls
 from .trajectory import RolloutException, Trajectory, TrajectoryGroup
 
 DEFAULT_ROLLOUT_TIMEOUT_S = 600.0
@@ -96,6 +97,24 @@ async def _attach_calls(trajectory: Trajectory, rollout: RolloutContext) -> None
     trajectory.llm_calls = calls
 
 
+def _fill_messages(trajectory: Trajectory) -> None:
+    """A trajectory returned without messages gets its last chat call's conversation."""
+    if trajectory.messages_and_choices:
+        return
+    chats = [c for c in trajectory.llm_calls if c.endpoint == "chat.completions" and c.response]
+    if chats:
+        last = chats[-1]
+        choices = last.response.get("choices") or []
+        trajectory.messages_and_choices = [*last.request.get("messages", []), *choices[:1]]
+
+
+def _attach_spans(trajectory: Trajectory, rollout: RolloutContext) -> None:
+    """Attach adapter spans and link each LLM span to its token record."""
+    if rollout.spans and not trajectory.spans:
+        trajectory.spans = list(rollout.spans)
+    link_spans_to_calls(trajectory.spans, trajectory.llm_calls)
+
+
 async def finish_rollout(trajectory: Any, rollout: RolloutContext) -> Trajectory:
     """Validate a rollout's result, stamp it with its rollout id and attach its LLM calls."""
     import time
@@ -110,6 +129,8 @@ async def finish_rollout(trajectory: Any, rollout: RolloutContext) -> Trajectory
     if trajectory.end_time is None:
         trajectory.end_time = time.time()
     await _attach_calls(trajectory, rollout)
+    _attach_spans(trajectory, rollout)
+    _fill_messages(trajectory)
     get_plugin_manager().hook.tracerl_on_trajectory_end(trajectory=trajectory)
     return trajectory
 
@@ -118,7 +139,7 @@ async def _run_rollout(
     awaitable: Awaitable[Trajectory], timeout: float | None, index: int, group_index: int | None
 ) -> Trajectory:
     rollout = RolloutContext(rollout_id=new_rollout_id(), index=index, group_index=group_index)
-    _current.set(rollout)  # this coroutine runs in a task of its own, in a copied context
+    enter_rollout(rollout)  # this coroutine runs in a task of its own, in a copied context
 
     async def drive() -> Any:
         return await awaitable
@@ -130,6 +151,16 @@ async def _run_rollout(
             f"rollout {index} of group {group_index} ({rollout.rollout_id}) did not finish "
             f"within {timeout} s (rollout_timeout)"
         ) from None
+    return await finish_rollout(result, rollout)
+
+
+async def run_as_rollout(fn: Callable[[], Awaitable[Any]]) -> Trajectory:
+    """Run ``fn()`` as a rollout: in the current one (inside gather), else in a new one that is
+    finished here (calls and spans attached), so rollout helpers also work on their own."""
+    if current_rollout() is not None:
+        return await fn()
+    with rollout_scope() as rollout:
+        result = await fn()
     return await finish_rollout(result, rollout)
 
 

@@ -18,13 +18,14 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    ValidationError,
     field_serializer,
     field_validator,
     model_validator,
 )
 
 from .errors import InvalidTrajectoryError
+from .spans import Span
+from .validated import Validated as _Validated
 
 MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
@@ -37,30 +38,6 @@ def _check_finite(name: str, value: float) -> float:
     return float(value)
 
 
-class _Validated(BaseModel):
-    """Raises :class:`InvalidTrajectoryError` (naming the field) instead of pydantic's error."""
-
-    def __init__(self, **data: Any) -> None:
-        try:
-            super().__init__(**data)
-        except ValidationError as e:
-            raise InvalidTrajectoryError(f"invalid {type(self).__name__}: {e}") from None
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        try:
-            super().__setattr__(name, value)
-        except ValidationError as e:
-            raise InvalidTrajectoryError(f"invalid {type(self).__name__}.{name}: {e}") from None
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> Any:
-        try:
-            return cls.model_validate_json(text)
-        except ValidationError as e:
-            raise InvalidTrajectoryError(f"invalid {cls.__name__} JSON: {e}") from None
-
-    def to_json(self) -> str:
-        return self.model_dump_json()
 
 
 class CompletionRecord(_Validated):
@@ -146,6 +123,7 @@ class Trajectory(_Validated):
     metadata: dict[str, Any] = Field(default_factory=dict)
     logs: list[str] = Field(default_factory=list)
     llm_calls: list[LLMCall] = Field(default_factory=list)
+    spans: list[Span] = Field(default_factory=list)
     rollout_id: str | None = None
     start_time: float = Field(default_factory=time.time)
     end_time: float | None = None

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ...core.hookspecs import hookimpl
-from ..chat_template import render_prompt
+from ..chat_template import apply_chat_template_override, render_prompt
 from ..tool_parsers import PARSERS
 from .base import Engine, EngineRequestError, EngineSpec, EngineUnavailableError
 
@@ -87,6 +87,7 @@ class TransformersEngine(Engine):
                  "bfloat16": torch.bfloat16, "float16": torch.float16}[self.spec.config.dtype]
         self.tokenizer = AutoTokenizer.from_pretrained(self.spec.model_path)
         self.tokenizer.padding_side = "left"
+        apply_chat_template_override(self.tokenizer, self.spec.config.chat_template)
         model = AutoModelForCausalLM.from_pretrained(self.spec.model_path, dtype=dtype)
         model.to("cuda" if cuda else "cpu").eval()
         self.model = model

@@ -26,6 +26,7 @@ import httpx
 
 from ...core.errors import EngineError
 from ...core.hookspecs import hookimpl
+from ..chat_template import chat_template_path
 from .base import Engine, EngineRequestError, EngineSpec, EngineUnavailableError
 
 STARTUP_TIMEOUT_S = float(os.environ.get("TRACERL_VLLM_STARTUP_TIMEOUT", "600"))
@@ -98,6 +99,8 @@ class VLLMEngine(Engine):
         ]
         if cfg.sleep_during_training:
             cmd += ["--enable-sleep-mode"]
+        if cfg.chat_template:
+            cmd += ["--chat-template", str(chat_template_path(cfg.chat_template))]
         if cfg.tool_call_parser:
             cmd += ["--enable-auto-tool-choice", "--tool-call-parser", cfg.tool_call_parser]
         return cmd + list(cfg.extra_args)

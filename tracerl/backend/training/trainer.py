@@ -18,7 +18,7 @@ import torch
 
 from ...core.config import LoraConfig, TrainConfig
 from ...core.trajectory import TrajectoryGroup
-from ..chat_template import render_prompt
+from ..chat_template import apply_chat_template_override, render_prompt
 from .loss import group_advantages, grpo_per_token_loss, reduce_loss, token_entropy, token_logprobs
 from .rows import Row, RowStats, has_unknown_logprobs, rows_from_calls, rows_from_messages
 
@@ -50,12 +50,13 @@ class Trainer:
     """Holds the policy (base + LoRA) and its optimizer between steps."""
 
     def __init__(self, model_path: Path, lora: LoraConfig, adapter_path: Path | None = None,
-                 device: str | None = None) -> None:
+                 device: str | None = None, chat_template: str | None = None) -> None:
         from transformers import AutoTokenizer
 
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        apply_chat_template_override(self.tokenizer, chat_template)
         self.lora = lora
         self.backend = "unsloth" if unsloth_usable() and self.device.type == "cuda" else "peft"
         self.model = self._load_unsloth(model_path) if self.backend == "unsloth" else self._load_peft(model_path)

@@ -1,0 +1,49 @@
+"""A calculator task that SmolLM2-135M solves with real hermes tool calls.
+
+The 135M model does not call tools from a description alone, but copies the pattern
+reliably (greedy) from a few in-context examples, single and parallel calls alike. The
+examples are plain OpenAI-format messages, so every framework can put them into its input.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+SYSTEM = "You are a calculator. Always use the add tool, then answer with the result."
+
+ADD_TOOL = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"]}}}
+
+
+def _call(i: int, a: int, b: int) -> dict[str, Any]:
+    return {"id": f"ex{i}", "type": "function", "function": {"name": "add", "arguments": json.dumps({"a": a, "b": b})}}
+
+
+def _single(i: int, a: int, b: int) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": f"What is {a} plus {b}?"},
+            {"role": "assistant", "content": "", "tool_calls": [_call(i, a, b)]},
+            {"role": "tool", "tool_call_id": f"ex{i}", "content": str(a + b)},
+            {"role": "assistant", "content": f"The answer is {a + b}."}]
+
+
+def _double(i: int, a: int, b: int, c: int, d: int) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": f"What is {a} plus {b} and {c} plus {d}?"},
+            {"role": "assistant", "content": "", "tool_calls": [_call(i, a, b), _call(i + 1, c, d)]},
+            {"role": "tool", "tool_call_id": f"ex{i}", "content": str(a + b)},
+            {"role": "tool", "tool_call_id": f"ex{i + 1}", "content": str(c + d)},
+            {"role": "assistant", "content": f"The answers are {a + b} and {c + d}."}]
+
+
+def examples(parallel: bool = False) -> list[dict[str, Any]]:
+    """In-context examples (without the system message)."""
+    out = _single(1, 2, 5) + _single(2, 6, 1) + _single(3, 11, 4)
+    if parallel:
+        out += _double(4, 1, 2, 3, 3) + _double(6, 5, 4, 2, 9) + _double(8, 10, 3, 7, 7)
+    return out
+
+
+def question(a: int, b: int) -> dict[str, str]:
+    return {"role": "user", "content": f"What is {a} plus {b}?"}

@@ -1,0 +1,89 @@
+"""Spans: the structure of a rollout as a framework saw it (nodes, agents, tools, LLM calls).
+
+Adapters (LangChain/LangGraph, OpenAI Agents SDK, LiteLLM) record spans into the running
+rollout; the gateway's token records stay the training data. :func:`link_spans_to_calls`
+joins the two, so every recorded call knows which node, agent or tool loop produced it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from .errors import InvalidTrajectoryError
+from .validated import Validated
+
+SpanKind = Literal["rollout", "chain", "node", "agent", "llm", "tool", "handoff", "guardrail", "custom"]
+
+
+class Span(Validated):
+    """One unit of work inside a rollout."""
+
+    id: str
+    parent_id: str | None = None
+    kind: SpanKind
+    name: str = ""
+    framework: str = ""
+    start_time: float = Field(default_factory=time.time)
+    end_time: float | None = None
+    attributes: dict[str, Any] = Field(default_factory=dict)
+    error: str | None = None
+    # LLM spans: the provider's response id (joins the gateway record) and, once linked, the call
+    response_id: str | None = None
+    call_id: str | None = None
+
+    @field_validator("attributes", mode="after")
+    @classmethod
+    def _json_attributes(cls, value: dict[str, Any]) -> dict[str, Any]:
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise InvalidTrajectoryError(f"span attributes must be JSON-serialisable: {e}") from None
+        return value
+
+
+def span_path(span: Span, by_id: dict[str, Span]) -> list[str]:
+    """Names from the outermost ancestor down to ``span`` (cycles and gaps tolerated)."""
+    names, seen, cur = [], set(), span
+    while cur is not None and cur.id not in seen:
+        seen.add(cur.id)
+        names.append(cur.name or cur.kind)
+        cur = by_id.get(cur.parent_id) if cur.parent_id else None
+    return names[::-1]
+
+
+def link_spans_to_calls(spans: list[Span], calls: list[Any]) -> None:
+    """Pair LLM spans with the token records they produced.
+
+    A call is matched by the span id it was tagged with (``call_tags(span_id=...)``), else by
+    the provider response id; LLM spans left without either are paired with the remaining
+    calls in time order when the counts agree. Matched calls get ``metadata['span_id']`` and
+    ``metadata['span_path']``; matched spans get ``call_id``.
+    """
+    by_id = {s.id: s for s in spans}
+    llm_spans = [s for s in spans if s.kind == "llm"]
+    by_response = {s.response_id: s for s in llm_spans if s.response_id}
+    unmatched_calls = []
+    for call in calls:
+        tagged = (call.metadata.get("tags") or {}).get("span_id")
+        response_id = (call.response or {}).get("id")
+        span = by_id.get(tagged) if tagged else None
+        if span is None and response_id:
+            span = by_response.get(response_id)
+        if span is None:
+            unmatched_calls.append(call)
+            continue
+        _pair(span, call, by_id)
+    free = [s for s in llm_spans if s.call_id is None]
+    if free and len(free) == len(unmatched_calls):
+        for span, call in zip(sorted(free, key=lambda s: s.start_time), unmatched_calls, strict=True):
+            _pair(span, call, by_id)
+
+
+def _pair(span: Span, call: Any, by_id: dict[str, Span]) -> None:
+    span.call_id = call.id
+    call.metadata["span_id"] = span.id
+    call.metadata["span_path"] = span_path(span, by_id)

@@ -1,0 +1,35 @@
+"""Base model whose validation errors name the field as :class:`InvalidTrajectoryError`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from .errors import InvalidTrajectoryError
+
+
+class Validated(BaseModel):
+    """Raises :class:`InvalidTrajectoryError` (naming the field) instead of pydantic's error."""
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise InvalidTrajectoryError(f"invalid {type(self).__name__}: {e}") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as e:
+            raise InvalidTrajectoryError(f"invalid {type(self).__name__}.{name}: {e}") from None
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Any:
+        try:
+            return cls.model_validate_json(text)
+        except ValidationError as e:
+            raise InvalidTrajectoryError(f"invalid {cls.__name__} JSON: {e}") from None
+
+    def to_json(self) -> str:
+        return self.model_dump_json()

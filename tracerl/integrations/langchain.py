@@ -1,0 +1,216 @@
+"""LangChain / LangGraph adapter: record run structure into rollouts, serve the chat model.
+
+- :func:`init_chat_model` gives a ``ChatOpenAI`` on the model's gateway endpoint; every call is
+  attributed to the rollout that makes it (token records come from the gateway, since
+  LangChain drops vLLM's token ids).
+- :class:`TracerlCallbackHandler` records chains, LangGraph nodes, chat-model and tool runs as
+  spans. Importing this module installs it, through LangChain's ``register_configure_hook``,
+  into every run that happens inside a tracerl rollout; runs outside rollouts are untouched.
+  It can also be passed explicitly: ``config={"callbacks": [TracerlCallbackHandler()]}``.
+- :func:`wrap_rollout` (ART-style) and :func:`graph_rollout` (an existing compiled graph plus
+  a reward function) turn agent code into rollouts that return trajectories.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import Any
+from uuid import UUID
+
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.messages import BaseMessage, convert_to_openai_messages
+from langchain_core.tracers.context import register_configure_hook
+
+from ..core.client import async_http_client, sync_http_client
+from ..core.context import RolloutContext, on_rollout_enter
+from ..core.gather import run_as_rollout
+from ..core.trajectory import Trajectory
+from .span_recorder import SpanRecorder, short
+
+HIDDEN_TAG = "langsmith:hidden"
+
+
+class TracerlCallbackHandler(BaseCallbackHandler):
+    """Records LangChain runs as tracerl spans, keyed by run id."""
+
+    run_inline = True  # called in the run's own context, so the rollout is the right one
+    raise_error = False
+
+    def __init__(self, rollout: RolloutContext | None = None) -> None:
+        self.recorder = SpanRecorder("langchain", rollout)
+
+    @property
+    def orphans(self) -> list[Any]:
+        """Spans of runs that happened outside any rollout."""
+        return self.recorder.orphans
+
+    def _parent(self, parent_run_id: UUID | None) -> str | None:
+        return str(parent_run_id) if parent_run_id is not None else None
+
+    # chains and LangGraph nodes
+    def on_chain_start(self, serialized: dict[str, Any] | None, inputs: Any, *, run_id: UUID,
+                       parent_run_id: UUID | None = None, tags: list[str] | None = None,
+                       metadata: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        if tags and HIDDEN_TAG in tags:
+            return
+        metadata = metadata or {}
+        name = kwargs.get("name") or _serialized_name(serialized) or "chain"
+        node = metadata.get("langgraph_node")
+        kind = "node" if node is not None and name == node else "chain"
+        self.recorder.start(str(run_id), kind, name, self._parent(parent_run_id),
+                            langgraph_step=metadata.get("langgraph_step"), node=node)
+
+    def on_chain_end(self, outputs: Any, *, run_id: UUID, **kwargs: Any) -> None:
+        self.recorder.end(str(run_id))
+
+    def on_chain_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
+        self.recorder.end(str(run_id), error=error)
+
+    # chat models and LLMs
+    def on_chat_model_start(self, serialized: dict[str, Any] | None, messages: list[list[BaseMessage]],
+                            *, run_id: UUID, parent_run_id: UUID | None = None,
+                            tags: list[str] | None = None, metadata: dict[str, Any] | None = None,
+                            **kwargs: Any) -> None:
+        params = kwargs.get("invocation_params") or {}
+        tools = [t.get("function", t).get("name") for t in params.get("tools") or [] if isinstance(t, dict)]
+        self.recorder.start(str(run_id), "llm", kwargs.get("name") or _serialized_name(serialized) or "chat_model",
+                            self._parent(parent_run_id), model=params.get("model") or params.get("model_name"),
+                            node=(metadata or {}).get("langgraph_node"),
+                            messages=sum(len(m) for m in messages), tools=tools or None)
+
+    def on_llm_start(self, serialized: dict[str, Any] | None, prompts: list[str], *, run_id: UUID,
+                     parent_run_id: UUID | None = None, metadata: dict[str, Any] | None = None,
+                     **kwargs: Any) -> None:
+        self.recorder.start(str(run_id), "llm", kwargs.get("name") or _serialized_name(serialized) or "llm",
+                            self._parent(parent_run_id), node=(metadata or {}).get("langgraph_node"))
+
+    def on_llm_end(self, response: Any, *, run_id: UUID, **kwargs: Any) -> None:
+        span = self.recorder.end(str(run_id))
+        if span is None:
+            return
+        generations = [g for gs in response.generations for g in gs]
+        message = getattr(generations[0], "message", None) if generations else None
+        if message is None:
+            return
+        meta = getattr(message, "response_metadata", {}) or {}
+        span.response_id = meta.get("id")
+        calls = [c["name"] for c in getattr(message, "tool_calls", []) or []]
+        span.attributes = {**span.attributes, "finish_reason": meta.get("finish_reason"),
+                           **({"tool_calls": calls} if calls else {})}
+
+    def on_llm_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
+        self.recorder.end(str(run_id), error=error)
+
+    # tools
+    def on_tool_start(self, serialized: dict[str, Any] | None, input_str: str, *, run_id: UUID,
+                      parent_run_id: UUID | None = None, metadata: dict[str, Any] | None = None,
+                      inputs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        self.recorder.start(str(run_id), "tool", kwargs.get("name") or _serialized_name(serialized) or "tool",
+                            self._parent(parent_run_id), input=short(inputs if inputs is not None else input_str),
+                            tool_call_id=kwargs.get("tool_call_id"), node=(metadata or {}).get("langgraph_node"))
+
+    def on_tool_end(self, output: Any, *, run_id: UUID, **kwargs: Any) -> None:
+        self.recorder.end(str(run_id), output=short(getattr(output, "content", output)))
+
+    def on_tool_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
+        self.recorder.end(str(run_id), error=error)
+
+
+def _serialized_name(serialized: dict[str, Any] | None) -> str | None:
+    if not serialized:
+        return None
+    return serialized.get("name") or (serialized.get("id") or [None])[-1]
+
+
+# --- automatic installation inside rollouts -------------------------------------------------
+
+_handler: contextvars.ContextVar[TracerlCallbackHandler | None] = contextvars.ContextVar(
+    "tracerl_langchain_handler", default=None)
+register_configure_hook(_handler, inheritable=True, handle_class=TracerlCallbackHandler)
+
+
+def _enable_in_rollout(ctx: RolloutContext) -> Callable[[], None]:
+    token = _handler.set(TracerlCallbackHandler(ctx))
+    return lambda: _handler.reset(token)
+
+
+on_rollout_enter(_enable_in_rollout)
+
+
+# --- chat model and rollouts ------------------------------------------------------------------
+
+def init_chat_model(model: Any, **kwargs: Any) -> Any:
+    """A ``langchain_openai.ChatOpenAI`` served by ``model``'s backend (register it first).
+
+    Calls are attributed to the current rollout when they are sent, so one chat model (and
+    one compiled graph using it) can serve any number of concurrent rollouts. Extra keyword
+    arguments go to ``ChatOpenAI`` (temperature, max_tokens, ...).
+    """
+    from langchain_openai import ChatOpenAI
+
+    base_url, api_key = model._endpoint()
+    kwargs.setdefault("max_retries", 0)  # a retry would record the call twice
+    return ChatOpenAI(model=model.get_inference_name(), base_url=base_url, api_key=api_key,
+                      http_client=sync_http_client(model), http_async_client=async_http_client(model),
+                      **kwargs)
+
+
+RewardFn = Callable[..., float | tuple[float, dict[str, float]] | Awaitable[Any]]
+
+
+def wrap_rollout(model: Any, fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Trajectory]]:
+    """Turn ``async fn(*args, **kwargs)`` running LangChain/LangGraph code into a rollout.
+
+    ``fn`` returns a :class:`Trajectory`, or a reward (a number, or ``(reward, metrics)``), in
+    which case the trajectory is the conversation of the rollout's last recorded LLM call.
+    Works inside ``gather_trajectory_groups`` and on its own.
+    """
+    async def rollout(*args: Any, **kwargs: Any) -> Trajectory:
+        async def run() -> Trajectory:
+            result = await fn(*args, **kwargs)
+            if isinstance(result, Trajectory):
+                return result
+            reward, metrics = _split_reward(result)
+            return Trajectory(messages_and_choices=[], reward=reward, metrics=metrics,
+                              metadata={"framework": "langchain"})
+        return await run_as_rollout(run)
+
+    rollout.__name__ = getattr(fn, "__name__", "rollout")
+    return rollout
+
+
+def graph_rollout(graph: Any, reward: RewardFn, *, config: dict[str, Any] | None = None
+                  ) -> Callable[[Any], Awaitable[Trajectory]]:
+    """Use an existing compiled graph as a rollout: ``await rollout(graph_input)``.
+
+    The graph runs unchanged (its chat model should come from :func:`init_chat_model`); then
+    ``reward(graph_input, final_state)`` (sync or async) returns a number or
+    ``(number, metrics)``. The trajectory's messages are the final state's ``messages``.
+    """
+    async def rollout(graph_input: Any) -> Trajectory:
+        async def run() -> Trajectory:
+            state = await graph.ainvoke(graph_input, config=config)
+            scored = reward(graph_input, state)
+            if inspect.isawaitable(scored):
+                scored = await scored
+            value, metrics = _split_reward(scored)
+            messages = state.get("messages") if isinstance(state, dict) else None
+            return Trajectory(
+                messages_and_choices=convert_to_openai_messages(messages) if messages else [],
+                reward=value, metrics=metrics,
+                metadata={"framework": "langgraph"})
+        return await run_as_rollout(run)
+
+    return rollout
+
+
+def _split_reward(result: Any) -> tuple[float, dict[str, float]]:
+    if isinstance(result, tuple):
+        reward, metrics = result
+        return float(reward), dict(metrics)
+    if isinstance(result, int | float):
+        return float(result), {}
+    raise TypeError(f"a rollout function must return a Trajectory, a reward or (reward, metrics); "
+                    f"got {type(result).__name__}")
