@@ -98,7 +98,7 @@ class LocalBackend(Backend):
         self.engine_override = engine
         self.gateway = Gateway(api_key=api_key)
         self._thread: _GatewayThread | None = None
-        self._engines: dict[Path, Engine] = {}
+        self._engines: dict[tuple[Path, str, str], Engine] = {}
         self._stores: dict[str, ModelStore] = {}
         self._trainers: dict[str, Any] = {}
         self._train_lock = asyncio.Lock()
@@ -137,14 +137,16 @@ class LocalBackend(Backend):
                                 "config": model.config.model_dump()})
         model_path = await asyncio.to_thread(resolve_base_model, model.base_model)
         gateway = self._gateway()
-        engine = self._engines.get(model_path)
+        # models share an engine only when they serve the same weights the same way
+        engine_key = (model_path, model.config.engine.model_dump_json(), model.config.lora.model_dump_json())
+        engine = self._engines.get(engine_key)
         if engine is None:
             cls = choose_engine(self.engine_override or model.config.engine.engine)
             served_name = model_path.name
             engine = cls(EngineSpec(model_path=model_path, served_name=served_name,
                                     config=model.config.engine, lora=model.config.lora))
             await gateway.call(engine.start())
-            self._engines[model_path] = engine
+            self._engines[engine_key] = engine
         if engine.spec.served_name == model.name:
             raise ConfigError(f"model name {model.name!r} collides with its base model's served name")
         existing = self.gateway.models.get(model.name)

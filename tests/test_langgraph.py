@@ -1,0 +1,171 @@
+"""LangGraph / LangChain adapter against real LangGraph, the real gateway and SmolLM2."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+pytest.importorskip("langgraph")
+
+from langchain.agents import create_agent  # noqa: E402
+from langchain_core.tools import tool  # noqa: E402
+from langgraph.graph import END, START, MessagesState, StateGraph  # noqa: E402
+
+import tracerl  # noqa: E402
+from tests.agent_fixtures import SYSTEM, examples, question  # noqa: E402
+from tests.conftest import render_ids  # noqa: E402
+from tracerl.integrations.langchain import (  # noqa: E402
+    TracerlCallbackHandler,
+    graph_rollout,
+    init_chat_model,
+    wrap_rollout,
+)
+
+
+@tool
+def add(a: int, b: int) -> int:
+    """Add two integers"""
+    return a + b
+
+
+def final_text(state) -> str:
+    return state["messages"][-1].content or ""
+
+
+def answer_reward(graph_input, state) -> tuple[float, dict[str, float]]:
+    ok = str(graph_input["want"]) in final_text(state)
+    last_question = max(i for i, m in enumerate(state["messages"]) if m.type == "human")
+    tools = sum(m.type == "tool" for m in state["messages"][last_question:])
+    return float(ok), {"tool_messages": float(tools)}
+
+
+def calc_input(a: int, b: int, parallel: bool = False) -> dict:
+    return {"messages": examples(parallel) + [question(a, b)], "want": a + b}
+
+
+@pytest.fixture(scope="module")
+def react_graph(agent_model):
+    llm = init_chat_model(agent_model, temperature=0, max_tokens=60)
+    return create_agent(llm, tools=[add], system_prompt=SYSTEM)
+
+
+async def test_react_agent_rollouts_are_recorded_token_exactly(react_graph, agent_model, tokenizer):
+    rollout = graph_rollout(react_graph, answer_reward)
+    sums = [(3, 4), (12, 30)]
+    groups = await tracerl.gather_trajectory_groups(
+        [tracerl.TrajectoryGroup(rollout(calc_input(a, b)) for _ in range(2)) for a, b in sums],
+        show_progress=False)
+    tokenizer = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    from tracerl.backend.chat_template import apply_chat_template_override
+    apply_chat_template_override(tokenizer, "chatml-tools")
+    for (a, b), group in zip(sums, groups, strict=True):
+        assert not group.exceptions
+        for traj in group.trajectories:
+            assert traj.reward == 1.0 and traj.metrics["tool_messages"] == 1.0
+            assert traj.metadata["framework"] == "langgraph"
+            # two model turns: the tool call, then the answer; each with its own token record
+            first, second = traj.llm_calls
+            (tc,) = first.response["choices"][0]["message"]["tool_calls"]
+            assert json.loads(tc["function"]["arguments"]) == {"a": a, "b": b}
+            assert first.completions[0].tool_calls and first.completions[0].finish_reason == "tool_calls"
+            assert f"{a} plus {b}" in first.request["messages"][-1]["content"]  # its own rollout's
+            assert second.request["messages"][-1] == {"role": "tool", "content": str(a + b),
+                                                      "tool_call_id": tc["id"]}
+            for call in (first, second):
+                assert call.prompt_token_ids == render_ids(tokenizer, call.request["messages"],
+                                                           call.request.get("tools"))
+                assert len(call.completions[0].logprobs) == len(call.completions[0].token_ids) > 0
+            # structure: graph -> model node -> chat model; graph -> tools node -> add
+            by_kind = {}
+            for s in traj.spans:
+                by_kind.setdefault(s.kind, []).append(s)
+            assert [s.name for s in by_kind["node"]] == ["model", "tools", "model"]
+            (tool_span,) = by_kind["tool"]
+            assert tool_span.name == "add" and tool_span.attributes["output"] == str(a + b)
+            assert [s.call_id for s in by_kind["llm"]] == [first.id, second.id]
+            assert first.metadata["span_path"][-2:] == ["model", "ChatOpenAI"]
+            assert by_kind["llm"][0].attributes["tool_calls"] == ["add"]
+            # the trajectory keeps the conversation LangGraph ended with
+            assert traj.messages_and_choices[-1]["role"] == "assistant"
+            assert str(a + b) in traj.messages_and_choices[-1]["content"]
+
+
+async def test_parallel_tool_calls_and_streaming(agent_model):
+    llm = init_chat_model(agent_model, temperature=0, max_tokens=80, streaming=True)
+    graph = create_agent(llm, tools=[add], system_prompt=SYSTEM)
+    traj = await graph_rollout(graph, lambda i, s: 0.0)(
+        {"messages": examples(parallel=True) + [{"role": "user", "content": "What is 3 plus 4 and 8 plus 1?"}]})
+    first = traj.llm_calls[0]
+    assert first.streamed
+    names = [json.loads(tc["function"]["arguments"])
+             for tc in first.response["choices"][0]["message"]["tool_calls"]]
+    assert names == [{"a": 3, "b": 4}, {"a": 8, "b": 1}]
+    tools = [s for s in traj.spans if s.kind == "tool"]
+    assert sorted(s.attributes["output"] for s in tools) == ["7", "9"]
+    # LangGraph runs each parallel call as its own `tools` task (Send), each under a tools node
+    by_id = {s.id: s for s in traj.spans}
+    assert [by_id[s.parent_id].name for s in tools] == ["tools", "tools"]
+    assert all(s.call_id for s in traj.spans if s.kind == "llm")
+
+
+def _failing_graph(agent_model):
+    llm = init_chat_model(agent_model, temperature=0, max_tokens=8)
+
+    async def call_model(state: MessagesState):
+        reply = await llm.ainvoke(state["messages"])  # no config passed: contextvars carry it
+        if "fail" in state["messages"][-1].content:
+            raise RuntimeError("tool backend exploded")
+        return {"messages": [reply]}
+
+    builder = StateGraph(MessagesState)
+    builder.add_node("call_model", call_model)
+    builder.add_edge(START, "call_model")
+    builder.add_edge("call_model", END)
+    return builder.compile()
+
+
+async def test_framework_error_is_recorded_and_group_survives(agent_model):
+    rollout = graph_rollout(_failing_graph(agent_model), lambda i, s: 1.0)
+    (group,) = await tracerl.gather_trajectory_groups(
+        [tracerl.TrajectoryGroup([rollout({"messages": [{"role": "user", "content": "hi"}]}),
+                                  rollout({"messages": [{"role": "user", "content": "please fail"}]})])],
+        max_exceptions=1, show_progress=False)
+    assert len(group.trajectories) == 1 and group.trajectories[0].reward == 1.0
+    (exc,) = group.exceptions
+    assert exc.type == "RuntimeError" and "tool backend exploded" in exc.message
+    node = [s for s in group.trajectories[0].spans if s.kind == "node"]
+    assert [s.name for s in node] == ["call_model"] and node[0].error is None
+
+
+async def test_wrap_rollout_builds_the_trajectory_from_records(agent_model):
+    llm = init_chat_model(agent_model, temperature=0, max_tokens=6)
+
+    async def my_agent(text: str) -> float:
+        reply = await llm.ainvoke([{"role": "user", "content": text}])
+        return float(len(reply.content) > 0)
+
+    rollout = wrap_rollout(agent_model, my_agent)
+    trajs = await asyncio.gather(*(rollout(f"Say {w}") for w in ("yes", "no")))
+    for word, traj in zip(("yes", "no"), trajs, strict=True):
+        (call,) = traj.llm_calls
+        assert traj.messages_and_choices[0] == {"role": "user", "content": f"Say {word}"}
+        choice = traj.messages_and_choices[-1]
+        assert choice.message.content == call.completions[0].text
+        assert traj.spans[0].call_id == call.id
+
+
+async def test_handler_outside_rollouts(agent_model):
+    llm = init_chat_model(agent_model, temperature=0, max_tokens=4)
+    handler = TracerlCallbackHandler()
+    # outside any rollout nothing is installed automatically ...
+    await llm.ainvoke("hello")
+    # ... and an explicit handler keeps its spans itself
+    await llm.ainvoke("hello", config={"callbacks": [handler]})
+    (span,) = handler.orphans
+    assert span.kind == "llm" and span.response_id and span.end_time
+    # inside a rollout an explicit handler is not doubled by the automatic one
+    with tracerl.rollout_scope() as ro:
+        await llm.ainvoke("hi", config={"callbacks": [TracerlCallbackHandler()]})
+    assert [s.kind for s in ro.spans] == ["llm"]
