@@ -47,3 +47,31 @@ def examples(parallel: bool = False) -> list[dict[str, Any]]:
 
 def question(a: int, b: int) -> dict[str, str]:
     return {"role": "user", "content": f"What is {a} plus {b}?"}
+
+
+def as_response_items(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI chat messages as Agents SDK (Responses API) input items."""
+    items: list[dict[str, Any]] = []
+    for m in messages:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            items += [{"type": "function_call", "call_id": c["id"], "name": c["function"]["name"],
+                       "arguments": c["function"]["arguments"]} for c in m["tool_calls"]]
+        elif m["role"] == "tool":
+            items.append({"type": "function_call_output", "call_id": m["tool_call_id"], "output": m["content"]})
+        else:
+            items.append({"role": m["role"], "content": m["content"]})
+    return items
+
+
+def handoff_examples(target: str) -> list[dict[str, Any]]:
+    """Examples where a triage agent hands off to ``target``, which then uses the add tool."""
+    out: list[dict[str, Any]] = []
+    for i, (a, b) in enumerate([(2, 5), (6, 1), (11, 4)]):
+        h = {"id": f"h{i}", "type": "function", "function": {"name": f"transfer_to_{target}", "arguments": "{}"}}
+        out += [{"role": "user", "content": f"What is {a} plus {b}?"},
+                {"role": "assistant", "content": "", "tool_calls": [h]},
+                {"role": "tool", "tool_call_id": f"h{i}", "content": json.dumps({"assistant": target})},
+                {"role": "assistant", "content": "", "tool_calls": [_call(10 + i, a, b)]},
+                {"role": "tool", "tool_call_id": f"ex{10 + i}", "content": str(a + b)},
+                {"role": "assistant", "content": f"The answer is {a + b}."}]
+    return out

@@ -58,8 +58,8 @@ def span_path(span: Span, by_id: dict[str, Span]) -> list[str]:
 def link_spans_to_calls(spans: list[Span], calls: list[Any]) -> None:
     """Pair LLM spans with the token records they produced.
 
-    A call is matched by the span id it was tagged with (``call_tags(span_id=...)``), else by
-    the provider response id; LLM spans left without either are paired with the remaining
+    A call is matched by the span id it was tagged with (``call_tags(span_id=...)``), or the
+    first unpaired LLM span under its tagged ``parent_span_id``, else by the provider response id; LLM spans left without either are paired with the remaining
     calls in time order when the counts agree. Matched calls get ``metadata['span_id']`` and
     ``metadata['span_path']``; matched spans get ``call_id``.
     """
@@ -68,9 +68,12 @@ def link_spans_to_calls(spans: list[Span], calls: list[Any]) -> None:
     by_response = {s.response_id: s for s in llm_spans if s.response_id}
     unmatched_calls = []
     for call in calls:
-        tagged = (call.metadata.get("tags") or {}).get("span_id")
+        tags = call.metadata.get("tags") or {}
         response_id = (call.response or {}).get("id")
-        span = by_id.get(tagged) if tagged else None
+        span = by_id.get(tags["span_id"]) if tags.get("span_id") else None
+        if span is None and tags.get("parent_span_id"):  # the first free LLM span under it
+            span = next((s for s in llm_spans if s.parent_id == tags["parent_span_id"]
+                         and s.call_id is None), None)
         if span is None and response_id:
             span = by_response.get(response_id)
         if span is None:

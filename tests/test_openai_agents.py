@@ -1,0 +1,141 @@
+"""OpenAI Agents SDK adapter against the real SDK, the real gateway and SmolLM2."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+pytest.importorskip("agents")
+
+from agents import Agent, ModelSettings, RunConfig, Runner, function_tool  # noqa: E402
+
+import tracerl  # noqa: E402
+from tests.agent_fixtures import SYSTEM, as_response_items, handoff_examples, question  # noqa: E402
+from tests.conftest import render_ids  # noqa: E402
+from tracerl.backend.chat_template import apply_chat_template_override  # noqa: E402
+from tracerl.integrations.openai_agents import TracerlModelProvider  # noqa: E402
+
+SETTINGS = ModelSettings(temperature=0, max_tokens=60)
+
+
+@function_tool
+def add(a: int, b: int) -> int:
+    """Add two integers"""
+    return a + b
+
+
+def make_agents(tools=(add,)):
+    math = Agent(name="math_agent", instructions=SYSTEM, tools=list(tools), model_settings=SETTINGS)
+    triage = Agent(name="triage", instructions="Hand math questions to the math agent.",
+                   handoffs=[math], model_settings=SETTINGS)
+    return triage
+
+
+@pytest.fixture
+def no_remote_dns(monkeypatch):
+    """Fail (and remember) any name lookup that is not loopback: nothing may be uploaded."""
+    seen = []
+    real = socket.getaddrinfo
+
+    def guarded(host, *args, **kwargs):
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            seen.append(host)
+            raise OSError(f"test tripwire: lookup of {host}")
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", guarded)
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-dummy-would-trigger-upload")
+    return seen
+
+
+async def test_handoff_and_tool_rollouts(agent_model, tokenizer, no_remote_dns):
+    provider = TracerlModelProvider(agent_model)
+    triage = make_agents()
+
+    async def rollout(a: int, b: int) -> tracerl.Trajectory:
+        result = await Runner.run(triage, as_response_items(handoff_examples("math_agent") + [question(a, b)]),
+                                  run_config=RunConfig(model_provider=provider, workflow_name="calc"), max_turns=6)
+        return tracerl.Trajectory(reward=float(str(a + b) in result.final_output),
+                                  metadata={"last_agent": result.last_agent.name})
+
+    # two concurrent rollouts (their calls are batched together by the engine); the 135M
+    # model hands off and calls the tool reliably for these (greedy), not for every sum
+    sums = [(3, 4), (5, 3)]
+    groups = await tracerl.gather_trajectory_groups(
+        [tracerl.TrajectoryGroup(rollout(a, b) for a, b in sums)], show_progress=False)
+    groups = [tracerl.TrajectoryGroup([t]) for t in groups[0].trajectories]
+    tok = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    apply_chat_template_override(tok, "chatml-tools")
+    for (a, b), group in zip(sums, groups, strict=True):
+        assert not group.exceptions
+        for traj in group.trajectories:
+            assert traj.reward == 1.0 and traj.metadata["last_agent"] == "math_agent"
+            handoff, tool_call, answer = traj.llm_calls
+            names = [[t["function"]["name"] for t in c.completions[0].tool_calls or []]
+                     for c in traj.llm_calls]
+            assert names == [["transfer_to_math_agent"], ["add"], []]
+            args = json.loads(tool_call.completions[0].tool_calls[0]["function"]["arguments"])
+            assert args == {"a": a, "b": b} and str(a + b) in answer.completions[0].text
+            for call in traj.llm_calls:
+                assert call.prompt_token_ids == render_ids(tok, call.request["messages"], call.request.get("tools"))
+            spans = {s.id: s for s in traj.spans}
+            kinds = [s.kind for s in traj.spans]
+            assert kinds.count("agent") == 2 and kinds.count("handoff") == 1 and kinds.count("tool") == 1
+            (h,) = [s for s in traj.spans if s.kind == "handoff"]
+            assert h.name == "triage -> math_agent"
+            (t,) = [s for s in traj.spans if s.kind == "tool"]
+            assert t.name == "add" and t.attributes["output"] == str(a + b)
+            # every generation is paired with its token record, under the agent that ran it
+            assert [c.metadata["span_path"][2] for c in traj.llm_calls] == ["triage", "math_agent", "math_agent"]
+            assert {s.call_id for s in traj.spans if s.kind == "llm"} == {c.id for c in traj.llm_calls}
+            assert spans[traj.llm_calls[0].metadata["span_id"]].kind == "llm"
+    assert no_remote_dns == []  # no trace upload was even attempted
+
+
+async def test_streamed_run_is_recorded(agent_model):
+    provider = TracerlModelProvider(agent_model)
+    agent = Agent(name="math_agent", instructions=SYSTEM, tools=[add], model_settings=SETTINGS)
+    from tests.agent_fixtures import examples
+
+    with tracerl.rollout_scope() as ro:
+        result = Runner.run_streamed(agent, as_response_items(examples() + [question(8, 9)]),
+                                     run_config=RunConfig(model_provider=provider))
+        async for _ in result.stream_events():
+            pass
+    calls = await agent_model.fetch_calls(ro.rollout_id)
+    assert len(calls) == 2 and all(c.streamed for c in calls)
+    assert calls[0].completions[0].tool_calls and "17" in result.final_output
+    assert len(calls[1].completions[0].logprobs) == len(calls[1].completions[0].token_ids)
+
+
+async def test_tool_crash_is_recorded_and_group_survives(agent_model):
+    provider = TracerlModelProvider(agent_model)
+
+    @function_tool(failure_error_function=None)
+    def add(a: int, b: int) -> int:  # noqa: F811 - a failing twin of the module's tool
+        """Add two integers"""
+        if a == 13:
+            raise ValueError("unlucky number")
+        return a + b
+
+    triage = make_agents(tools=(add,))
+
+    async def rollout(a: int, b: int) -> tracerl.Trajectory:
+        result = await Runner.run(triage, as_response_items(handoff_examples("math_agent") + [question(a, b)]),
+                                  run_config=RunConfig(model_provider=provider))
+        return tracerl.Trajectory(reward=float(str(a + b) in result.final_output))
+
+    (group,) = await tracerl.gather_trajectory_groups(
+        [tracerl.TrajectoryGroup([rollout(13, 1), rollout(4, 4)])], max_exceptions=1, show_progress=False)
+    assert [t.reward for t in group.trajectories] == [1.0]
+    (exc,) = group.exceptions
+    assert "unlucky number" in exc.message or "unlucky number" in exc.traceback
+
+
+def test_other_model_names_are_refused_clearly(agent_model):
+    provider = TracerlModelProvider(agent_model, tracing=False)
+    with pytest.raises(ValueError, match="gpt-4o.*fallback"):
+        provider.get_model("gpt-4o")
+    assert provider.get_model("agent@3").inner.model == "agent@3"
