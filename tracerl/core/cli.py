@@ -47,6 +47,28 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_proxy(args: argparse.Namespace) -> int:
+    import time
+
+    from ..integrations.litellm_proxy import LiteLLMProxy
+
+    proxy = LiteLLMProxy(upstream_base_url=args.backend_url, model_names=args.model,
+                         upstream_api_key=args.api_key, host=args.host, port=args.port,
+                         python=args.litellm_python)
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"tracerl: warning: the proxy listens on {args.host}; anyone who can reach it and "
+              "holds the master key can use the model", file=sys.stderr)
+    with proxy:
+        print(f"LiteLLM proxy: {proxy.base_url}\nmaster key:    {proxy.master_key}\n"
+              f"send header x-rollout-id: <rollout id> with each request; Ctrl-C stops", flush=True)
+        try:
+            while proxy.process is not None and proxy.process.poll() is None:
+                time.sleep(1)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tracerl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -72,6 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--groups", type=int, default=None, help="groups per step")
     p.add_argument("--base-path", default=".tracerl")
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("proxy", help="run a LiteLLM proxy in front of a tracerl gateway")
+    p.add_argument("--backend-url", required=True, help="the gateway's OpenAI base URL (.../v1)")
+    p.add_argument("--model", action="append", required=True, help="served model name (repeatable)")
+    p.add_argument("--api-key", default="tracerl-local", help="the gateway's API key")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=4000)
+    p.add_argument("--litellm-python", default=None, help="python of a venv with LiteLLM's proxy")
+    p.set_defaults(func=_cmd_proxy)
     return parser
 
 

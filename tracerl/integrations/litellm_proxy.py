@@ -1,0 +1,147 @@
+"""``tracerl proxy``: a real LiteLLM proxy in front of the gateway, for agents in any language.
+
+The proxy listens on loopback with a generated master key. Clients send ``x-rollout-id`` (and
+optionally ``x-tracerl-tags``) headers; a small callback inside the proxy forwards them to the
+gateway, which records every call token-exactly under that rollout. The callback module is
+written next to the config and needs nothing but LiteLLM, so the proxy may run from its own
+virtualenv (``python`` argument / ``TRACERL_LITELLM_PYTHON``): LiteLLM's ``[proxy]`` extra
+pins packages that do not resolve together with ours.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from ..core.context import ROLLOUT_HEADER, TAGS_HEADER
+
+CALLBACK_MODULE = "tracerl_proxy_callback"
+
+CALLBACK_SOURCE = f'''"""Written by tracerl: forwards rollout attribution headers to the tracerl gateway."""
+from litellm.integrations.custom_logger import CustomLogger
+
+FORWARD = ({ROLLOUT_HEADER!r}, {TAGS_HEADER!r})
+
+
+class TracerlProxyCallback(CustomLogger):
+    async def async_pre_call_hook(self, user_api_key_dict, cache, data, call_type):
+        request = data.get("proxy_server_request") or {{}}
+        headers = {{k.lower(): v for k, v in (request.get("headers") or {{}}).items()}}
+        body_rollout = (data.get("metadata") or {{}}).get("rollout_id")
+        forward = {{k: headers[k] for k in FORWARD if k in headers}}
+        if body_rollout and {ROLLOUT_HEADER!r} not in forward:
+            forward[{ROLLOUT_HEADER!r}] = str(body_rollout)
+        if forward:
+            data["extra_headers"] = {{**(data.get("extra_headers") or {{}}), **forward}}
+        return data
+
+
+recorder = TracerlProxyCallback()
+'''
+
+
+def write_proxy_config(directory: Path, *, upstream_base_url: str, upstream_api_key: str,
+                       model_names: list[str]) -> Path:
+    """Write ``config.yaml`` (JSON is valid YAML) and the callback module into ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{CALLBACK_MODULE}.py").write_text(CALLBACK_SOURCE)
+    config = {
+        "model_list": [{"model_name": name, "litellm_params": {
+            "model": f"hosted_vllm/{name}", "api_base": upstream_base_url, "api_key": upstream_api_key,
+            "num_retries": 0}} for name in model_names],
+        "litellm_settings": {"callbacks": f"{CALLBACK_MODULE}.recorder", "num_retries": 0},
+        "general_settings": {"disable_spend_logs": True},
+    }
+    path = directory / "config.yaml"
+    path.write_text(json.dumps(config, indent=2))
+    return path
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _litellm_command(python: str | None) -> list[str]:
+    python = python or os.environ.get("TRACERL_LITELLM_PYTHON") or sys.executable
+    cli = Path(python).parent / "litellm"
+    if cli.exists():
+        return [str(cli)]
+    if found := shutil.which("litellm"):
+        return [found]
+    raise FileNotFoundError(f"no `litellm` CLI next to {python}; install litellm with its proxy "
+                            "dependencies there (see README) or set TRACERL_LITELLM_PYTHON")
+
+
+@dataclass
+class LiteLLMProxy:
+    """A LiteLLM proxy process serving ``model_names`` from the gateway at ``upstream_base_url``."""
+
+    upstream_base_url: str
+    model_names: list[str]
+    upstream_api_key: str = "tracerl-local"
+    directory: Path = field(default_factory=lambda: Path.cwd() / ".tracerl" / "proxy")
+    host: str = "127.0.0.1"
+    port: int = 0
+    python: str | None = None
+    master_key: str = field(default_factory=lambda: "sk-" + secrets.token_urlsafe(24))
+    startup_timeout_s: float = 120.0
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    def start(self) -> LiteLLMProxy:
+        config = write_proxy_config(self.directory, upstream_base_url=self.upstream_base_url,
+                                    upstream_api_key=self.upstream_api_key, model_names=self.model_names)
+        self.port = self.port or _free_port(self.host)
+        env = {**os.environ, "LITELLM_MASTER_KEY": self.master_key, "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+               "LITELLM_OFFLINE_MODE": "true", "PYTHONPATH": str(self.directory)}
+        log = open(self.directory / "proxy.log", "wb")  # noqa: SIM115 - owned by the process
+        self.process = subprocess.Popen(
+            [*_litellm_command(self.python), "--config", str(config), "--host", self.host,
+             "--port", str(self.port)], cwd=self.directory, env=env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the LiteLLM proxy exited with {self.process.returncode}; "
+                                   f"see {self.directory / 'proxy.log'}")
+            try:
+                if httpx.get(f"http://{self.host}:{self.port}/health/liveliness", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"the LiteLLM proxy did not come up within {self.startup_timeout_s} s; "
+                           f"see {self.directory / 'proxy.log'}")
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def __enter__(self) -> LiteLLMProxy:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
