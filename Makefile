@@ -5,8 +5,16 @@ VLLM_VENV ?= .venv-vllm
 PIP = $(VENV)/bin/pip
 STAMP = $(VENV)/.tracerl-installed
 VLLM_STAMP = $(VLLM_VENV)/.tracerl-installed
+LITELLM_VENV ?= .venv-litellm
+LITELLM_STAMP = $(LITELLM_VENV)/.tracerl-installed
+# litellm[proxy] does not resolve from this index (it pins unpublished packages): its proxy
+# dependencies by hand, in a venv of their own (the proxy is a separate process anyway)
+LITELLM_PROXY_DEPS = litellm==1.110.2 gunicorn uvicorn granian uvloop fastapi starlette backoff rq \
+	orjson hiredis apscheduler fastapi-sso pyjwt python-multipart cryptography pynacl "websockets<16" \
+	boto3 azure-identity azure-storage-blob mcp restrictedpython litellm-proxy-extras==0.4.110 \
+	litellm-enterprise==0.1.83 semver Expression soundfile
 
-.PHONY: demo test test-slow test-all setup setup-vllm lint
+.PHONY: demo test test-slow test-all setup setup-vllm setup-litellm lint
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -27,18 +35,25 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $(VLLM_STAMP)
 
+$(LITELLM_STAMP):
+	$(PY) -m venv $(LITELLM_VENV)
+	$(LITELLM_VENV)/bin/pip install -q $(LITELLM_PROXY_DEPS)
+	touch $(LITELLM_STAMP)
+
 setup: $(STAMP)
 setup-vllm: $(VLLM_STAMP)
+setup-litellm: $(LITELLM_STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/tracerl demo
 
 # pytest exits 5 when a stage selects no test; that is not a failure of the stage
-PYTEST = TRACERL_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(VENV)/bin/python -m pytest
-test: $(STAMP) $(VLLM_STAMP)
+PYTEST = TRACERL_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python \
+	TRACERL_LITELLM_PYTHON=$(CURDIR)/$(LITELLM_VENV)/bin/python $(VENV)/bin/python -m pytest
+test: $(STAMP) $(VLLM_STAMP) $(LITELLM_STAMP)
 	$(PYTEST) -m "not slow" -q; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
-test-slow: $(STAMP) $(VLLM_STAMP)
+test-slow: $(STAMP) $(VLLM_STAMP) $(LITELLM_STAMP)
 	$(PYTEST) -m slow -q; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 lint: $(STAMP)

@@ -9,14 +9,14 @@ import pytest
 
 pytest.importorskip("langgraph")
 
-from langchain.agents import create_agent  # noqa: E402
-from langchain_core.tools import tool  # noqa: E402
-from langgraph.graph import END, START, MessagesState, StateGraph  # noqa: E402
+from langchain.agents import create_agent
+from langchain_core.tools import tool
+from langgraph.graph import END, START, MessagesState, StateGraph
 
-import tracerl  # noqa: E402
-from tests.agent_fixtures import SYSTEM, examples, question  # noqa: E402
-from tests.conftest import render_ids  # noqa: E402
-from tracerl.integrations.langchain import (  # noqa: E402
+import tracerl
+from examples.calculator_task import SYSTEM, examples, question
+from tests.conftest import render_ids
+from tracerl.integrations.langchain import (
     TracerlCallbackHandler,
     graph_rollout,
     init_chat_model,

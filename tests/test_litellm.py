@@ -12,13 +12,12 @@ import pytest
 
 pytest.importorskip("litellm")
 
-from tracerl.integrations.litellm import TracerlLiteLLMLogger, completion_kwargs  # noqa: E402  (sets offline env)
+import litellm
 
-import litellm  # noqa: E402
-
-import tracerl  # noqa: E402
-from tests.agent_fixtures import ADD_TOOL, SYSTEM, examples, question  # noqa: E402
-from tracerl.integrations.litellm_proxy import LiteLLMProxy  # noqa: E402
+import tracerl
+from examples.calculator_task import ADD_TOOL, SYSTEM, examples, question
+from tracerl.integrations.litellm import TracerlLiteLLMLogger, completion_kwargs
+from tracerl.integrations.litellm_proxy import LiteLLMProxy
 
 LITELLM_PYTHON = os.environ.get("TRACERL_LITELLM_PYTHON")
 

@@ -9,13 +9,13 @@ import pytest
 
 pytest.importorskip("agents")
 
-from agents import Agent, ModelSettings, RunConfig, Runner, function_tool  # noqa: E402
+from agents import Agent, ModelSettings, RunConfig, Runner, function_tool
 
-import tracerl  # noqa: E402
-from tests.agent_fixtures import SYSTEM, as_response_items, handoff_examples, question  # noqa: E402
-from tests.conftest import render_ids  # noqa: E402
-from tracerl.backend.chat_template import apply_chat_template_override  # noqa: E402
-from tracerl.integrations.openai_agents import TracerlModelProvider  # noqa: E402
+import tracerl
+from examples.calculator_task import SYSTEM, as_response_items, handoff_examples, question
+from tests.conftest import render_ids
+from tracerl.backend.chat_template import apply_chat_template_override
+from tracerl.integrations.openai_agents import TracerlModelProvider
 
 SETTINGS = ModelSettings(temperature=0, max_tokens=60)
 
@@ -97,7 +97,7 @@ async def test_handoff_and_tool_rollouts(agent_model, tokenizer, no_remote_dns):
 async def test_streamed_run_is_recorded(agent_model):
     provider = TracerlModelProvider(agent_model)
     agent = Agent(name="math_agent", instructions=SYSTEM, tools=[add], model_settings=SETTINGS)
-    from tests.agent_fixtures import examples
+    from examples.calculator_task import examples
 
     with tracerl.rollout_scope() as ro:
         result = Runner.run_streamed(agent, as_response_items(examples() + [question(8, 9)]),
@@ -114,7 +114,7 @@ async def test_tool_crash_is_recorded_and_group_survives(agent_model):
     provider = TracerlModelProvider(agent_model)
 
     @function_tool(failure_error_function=None)
-    def add(a: int, b: int) -> int:  # noqa: F811 - a failing twin of the module's tool
+    def add(a: int, b: int) -> int:
         """Add two integers"""
         if a == 13:
             raise ValueError("unlucky number")

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .core.client import rollout_headers
 from .core.config import EngineConfig, LoraConfig, ModelConfig, TrainConfig
-from .core.context import ContextThreadPoolExecutor, current_rollout, rollout_scope
+from .core.context import ContextThreadPoolExecutor, call_tags, current_rollout, rollout_scope
 from .core.errors import (
     ConfigError,
     EngineError,
@@ -24,6 +25,7 @@ from .core.errors import (
 from .core.gather import gather_trajectories, gather_trajectory_groups
 from .core.hookspecs import HOOKSPEC_VERSION, hookimpl
 from .core.model import Model, TrainableModel
+from .core.spans import Span
 from .core.trajectory import (
     CompletionRecord,
     LLMCall,
@@ -54,6 +56,7 @@ __all__ = [
     "PluginError",
     "RolloutException",
     "RolloutTimeoutError",
+    "Span",
     "TooManyExceptionsError",
     "TracerlError",
     "TrainConfig",
@@ -61,10 +64,12 @@ __all__ = [
     "TrainingError",
     "Trajectory",
     "TrajectoryGroup",
+    "call_tags",
     "current_rollout",
     "gather_trajectories",
     "gather_trajectory_groups",
     "hookimpl",
+    "rollout_headers",
     "rollout_scope",
 ]
 

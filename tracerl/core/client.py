@@ -56,3 +56,16 @@ def sync_client(model: Any, base_url: str, api_key: str, **kwargs: Any) -> opena
     http_client = sync_http_client(model)
     kwargs.setdefault("max_retries", 0)
     return openai.OpenAI(base_url=base_url, api_key=api_key, http_client=http_client, **kwargs)
+
+
+def rollout_headers(model: Any) -> dict[str, str]:
+    """Headers that attribute a request made by other means (a subprocess, another language,
+    a proxy) to the current rollout; the rollout then collects ``model``'s records of it."""
+    ctx = current_rollout()
+    if ctx is None:
+        raise RuntimeError("rollout_headers() needs a running rollout (gather or rollout_scope)")
+    ctx.touch(model)
+    headers = {ROLLOUT_HEADER: ctx.rollout_id}
+    if tags := current_call_tags():
+        headers[TAGS_HEADER] = json.dumps(tags, separators=(",", ":"))
+    return headers

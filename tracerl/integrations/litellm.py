@@ -24,10 +24,10 @@ from typing import Any
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 os.environ.setdefault("LITELLM_OFFLINE_MODE", "true")
 
-from litellm.integrations.custom_logger import CustomLogger  # noqa: E402
+from litellm.integrations.custom_logger import CustomLogger
 
-from ..core.context import ROLLOUT_HEADER, TAGS_HEADER, current_call_tags, current_rollout  # noqa: E402
-from .span_recorder import SpanRecorder  # noqa: E402
+from ..core.context import ROLLOUT_HEADER, TAGS_HEADER, current_call_tags, current_rollout
+from .span_recorder import SpanRecorder
 
 SPAN_KEY = "tracerl_span_id"
 
@@ -68,7 +68,7 @@ class TracerlLiteLLMLogger(CustomLogger):
         self.recorder = SpanRecorder("litellm")
         self._ended: OrderedDict[str, None] = OrderedDict()  # LiteLLM may report a call twice
 
-    def log_pre_api_call(self, model, messages, kwargs):  # noqa: ANN001 - LiteLLM's signature
+    def log_pre_api_call(self, model, messages, kwargs):
         span_id = _span_id(kwargs)
         if span_id in self._ended or self.recorder.get(span_id) is not None:
             return  # LiteLLM calls this again on some error paths
@@ -92,14 +92,14 @@ class TracerlLiteLLMLogger(CustomLogger):
         if response_obj is not None:
             span.response_id = getattr(response_obj, "id", None)
 
-    def log_success_event(self, kwargs, response_obj, start_time, end_time):  # noqa: ANN001
+    def log_success_event(self, kwargs, response_obj, start_time, end_time):
         self._record(kwargs, response_obj, start_time, end_time)
 
-    async def async_log_success_event(self, kwargs, response_obj, start_time, end_time):  # noqa: ANN001
+    async def async_log_success_event(self, kwargs, response_obj, start_time, end_time):
         self._record(kwargs, response_obj, start_time, end_time)
 
-    def log_failure_event(self, kwargs, response_obj, start_time, end_time):  # noqa: ANN001
+    def log_failure_event(self, kwargs, response_obj, start_time, end_time):
         self._record(kwargs, None, start_time, end_time, error=str(kwargs.get("exception") or "failed"))
 
-    async def async_log_failure_event(self, kwargs, response_obj, start_time, end_time):  # noqa: ANN001
+    async def async_log_failure_event(self, kwargs, response_obj, start_time, end_time):
         self._record(kwargs, None, start_time, end_time, error=str(kwargs.get("exception") or "failed"))

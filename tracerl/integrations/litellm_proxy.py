@@ -76,7 +76,7 @@ def _free_port(host: str) -> int:
 
 def _litellm_command(python: str | None) -> list[str]:
     python = python or os.environ.get("TRACERL_LITELLM_PYTHON") or sys.executable
-    cli = Path(python).parent / "litellm"
+    cli = Path(os.path.abspath(python)).parent / "litellm"  # abspath: a venv's python is a symlink
     if cli.exists():
         return [str(cli)]
     if found := shutil.which("litellm"):
@@ -110,7 +110,7 @@ class LiteLLMProxy:
         self.port = self.port or _free_port(self.host)
         env = {**os.environ, "LITELLM_MASTER_KEY": self.master_key, "LITELLM_LOCAL_MODEL_COST_MAP": "True",
                "LITELLM_OFFLINE_MODE": "true", "PYTHONPATH": str(self.directory)}
-        log = open(self.directory / "proxy.log", "wb")  # noqa: SIM115 - owned by the process
+        log = open(self.directory / "proxy.log", "wb")
         self.process = subprocess.Popen(
             [*_litellm_command(self.python), "--config", str(config), "--host", self.host,
              "--port", str(self.port)], cwd=self.directory, env=env, stdout=log, stderr=subprocess.STDOUT,

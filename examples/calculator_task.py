@@ -1,4 +1,4 @@
-"""A calculator task that SmolLM2-135M solves with real hermes tool calls.
+"""A calculator task that SmolLM2-135M solves with real hermes tool calls (examples and tests).
 
 The 135M model does not call tools from a description alone, but copies the pattern
 reliably (greedy) from a few in-context examples, single and parallel calls alike. The
@@ -75,3 +75,29 @@ def handoff_examples(target: str) -> list[dict[str, Any]]:
                 {"role": "tool", "tool_call_id": f"ex{10 + i}", "content": str(a + b)},
                 {"role": "assistant", "content": f"The answer is {a + b}."}]
     return out
+
+
+def rng_sums(n: int, seed: int) -> list[tuple[int, int]]:
+    """``n`` random addition problems with small operands."""
+    import random
+
+    r = random.Random(seed)
+    return [(r.randint(1, 20), r.randint(1, 20)) for _ in range(n)]
+
+
+def answer_reward(text: str, want: int) -> float:
+    """1 for the right number in the final answer (0.2 for some number), minus a small length
+    penalty, so a group of right answers still ranks (and trains) the concise ones higher."""
+    import re
+
+    numbers = [int(x) for x in re.findall(r"-?\d+", text or "")]
+    correct = 1.0 if want in numbers else 0.2 if numbers else 0.0
+    return correct - 0.002 * len(text or "")
+
+
+def tool_model(name: str, project: str = "examples") -> Any:
+    """A TrainableModel on SmolLM2 served with the tool-calling chat template."""
+    import tracerl
+
+    return tracerl.TrainableModel(name=name, project=project, base_model="smollm2", config=tracerl.ModelConfig(
+        engine=tracerl.EngineConfig(max_model_len=2048, chat_template="chatml-tools", tool_call_parser="hermes")))
