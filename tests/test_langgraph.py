@@ -42,7 +42,7 @@ def answer_reward(graph_input, state) -> tuple[float, dict[str, float]]:
 
 
 def calc_input(a: int, b: int, parallel: bool = False) -> dict:
-    return {"messages": examples(parallel) + [question(a, b)], "want": a + b}
+    return {"messages": [*examples(parallel), question(a, b)], "want": a + b}
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ async def test_parallel_tool_calls_and_streaming(agent_model):
     llm = init_chat_model(agent_model, temperature=0, max_tokens=80, streaming=True)
     graph = create_agent(llm, tools=[add], system_prompt=SYSTEM)
     traj = await graph_rollout(graph, lambda i, s: 0.0)(
-        {"messages": examples(parallel=True) + [{"role": "user", "content": "What is 3 plus 4 and 8 plus 1?"}]})
+        {"messages": [*examples(parallel=True), {"role": "user", "content": "What is 3 plus 4 and 8 plus 1?"}]})
     first = traj.llm_calls[0]
     assert first.streamed
     names = [json.loads(tc["function"]["arguments"])

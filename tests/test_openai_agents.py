@@ -55,7 +55,7 @@ async def test_handoff_and_tool_rollouts(agent_model, tokenizer, no_remote_dns):
     triage = make_agents()
 
     async def rollout(a: int, b: int) -> tracerl.Trajectory:
-        result = await Runner.run(triage, as_response_items(handoff_examples("math_agent") + [question(a, b)]),
+        result = await Runner.run(triage, as_response_items([*handoff_examples("math_agent"), question(a, b)]),
                                   run_config=RunConfig(model_provider=provider, workflow_name="calc"), max_turns=6)
         return tracerl.Trajectory(reward=float(str(a + b) in result.final_output),
                                   metadata={"last_agent": result.last_agent.name})
@@ -72,7 +72,7 @@ async def test_handoff_and_tool_rollouts(agent_model, tokenizer, no_remote_dns):
         assert not group.exceptions
         for traj in group.trajectories:
             assert traj.reward == 1.0 and traj.metadata["last_agent"] == "math_agent"
-            handoff, tool_call, answer = traj.llm_calls
+            _handoff, tool_call, answer = traj.llm_calls
             names = [[t["function"]["name"] for t in c.completions[0].tool_calls or []]
                      for c in traj.llm_calls]
             assert names == [["transfer_to_math_agent"], ["add"], []]
@@ -100,7 +100,7 @@ async def test_streamed_run_is_recorded(agent_model):
     from examples.calculator_task import examples
 
     with tracerl.rollout_scope() as ro:
-        result = Runner.run_streamed(agent, as_response_items(examples() + [question(8, 9)]),
+        result = Runner.run_streamed(agent, as_response_items([*examples(), question(8, 9)]),
                                      run_config=RunConfig(model_provider=provider))
         async for _ in result.stream_events():
             pass
@@ -123,7 +123,7 @@ async def test_tool_crash_is_recorded_and_group_survives(agent_model):
     triage = make_agents(tools=(add,))
 
     async def rollout(a: int, b: int) -> tracerl.Trajectory:
-        result = await Runner.run(triage, as_response_items(handoff_examples("math_agent") + [question(a, b)]),
+        result = await Runner.run(triage, as_response_items([*handoff_examples("math_agent"), question(a, b)]),
                                   run_config=RunConfig(model_provider=provider))
         return tracerl.Trajectory(reward=float(str(a + b) in result.final_output))
 
@@ -136,6 +136,6 @@ async def test_tool_crash_is_recorded_and_group_survives(agent_model):
 
 def test_other_model_names_are_refused_clearly(agent_model):
     provider = TracerlModelProvider(agent_model, tracing=False)
-    with pytest.raises(ValueError, match="gpt-4o.*fallback"):
+    with pytest.raises(ValueError, match=r"gpt-4o.*fallback"):
         provider.get_model("gpt-4o")
     assert provider.get_model("agent@3").inner.model == "agent@3"
