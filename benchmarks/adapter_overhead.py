@@ -22,11 +22,10 @@ import statistics
 import tempfile
 import time
 
-from tracerl.integrations.litellm import TracerlLiteLLMLogger, completion_kwargs  # noqa: I001  (offline env first)
-import litellm
 import openai
 
 import tracerl
+from tracerl.integrations.litellm import TracerlLiteLLMLogger, completion_kwargs
 
 MSG = [{"role": "user", "content": "Say hi"}]
 
@@ -45,6 +44,7 @@ async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=20)
     args = ap.parse_args()
+    import litellm  # after tracerl.integrations.litellm, which sets LiteLLM's offline switches
     from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, RunConfig, Runner
     from langchain_openai import ChatOpenAI
 
