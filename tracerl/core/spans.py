@@ -7,14 +7,12 @@ joins the two, so every recorded call knows which node, agent or tool loop produ
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from .errors import InvalidTrajectoryError
-from .validated import Validated
+from .validated import Validated, check_json
 
 SpanKind = Literal["rollout", "chain", "node", "agent", "llm", "tool", "handoff", "guardrail", "custom"]
 
@@ -38,11 +36,7 @@ class Span(Validated):
     @field_validator("attributes", mode="after")
     @classmethod
     def _json_attributes(cls, value: dict[str, Any]) -> dict[str, Any]:
-        try:
-            json.dumps(value, allow_nan=False)
-        except (TypeError, ValueError) as e:
-            raise InvalidTrajectoryError(f"span attributes must be JSON-serialisable: {e}") from None
-        return value
+        return check_json("span attributes", value)
 
 
 def span_path(span: Span, by_id: dict[str, Span]) -> list[str]:

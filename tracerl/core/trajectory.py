@@ -5,7 +5,6 @@ Everything round-trips losslessly through JSON (``to_json`` / ``from_json``) and
 
 from __future__ import annotations
 
-import json
 import math
 import time
 import traceback
@@ -26,6 +25,7 @@ from pydantic import (
 from .errors import InvalidTrajectoryError
 from .spans import Span
 from .validated import Validated as _Validated
+from .validated import check_json
 
 MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
@@ -164,11 +164,7 @@ class Trajectory(_Validated):
     @field_validator("metadata", mode="after")
     @classmethod
     def _validate_metadata(cls, value: dict[str, Any]) -> dict[str, Any]:
-        try:
-            json.dumps(value, allow_nan=False)
-        except (TypeError, ValueError) as e:
-            raise InvalidTrajectoryError(f"metadata must be JSON-serialisable: {e}") from None
-        return value
+        return check_json("metadata", value)
 
     def log(self, message: str) -> None:
         """Append a free-text line to the trajectory's logs."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -33,3 +34,12 @@ class Validated(BaseModel):
 
     def to_json(self) -> str:
         return self.model_dump_json()
+
+
+def check_json(name: str, value: dict[str, Any]) -> dict[str, Any]:
+    """``value`` unchanged if it serialises to strict JSON, else an error naming ``name``."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise InvalidTrajectoryError(f"{name} must be JSON-serialisable: {e}") from None
+    return value
