@@ -12,6 +12,8 @@ from .core.client import rollout_headers
 from .core.config import EngineConfig, LoraConfig, ModelConfig, TrainConfig
 from .core.context import ContextThreadPoolExecutor, call_tags, current_rollout, rollout_scope
 from .core.errors import (
+    AuthenticationError,
+    BackendUnavailableError,
     ConfigError,
     EngineError,
     InvalidTrajectoryError,
@@ -36,11 +38,14 @@ from .core.trajectory import (
 
 if TYPE_CHECKING:
     from .backend.local import LocalBackend
+    from .backend.remote import RemoteBackend
 
 __version__ = "0.1.0"
 
 __all__ = [
     "HOOKSPEC_VERSION",
+    "AuthenticationError",
+    "BackendUnavailableError",
     "CompletionRecord",
     "ConfigError",
     "ContextThreadPoolExecutor",
@@ -54,6 +59,7 @@ __all__ = [
     "ModelConfig",
     "NotRegisteredError",
     "PluginError",
+    "RemoteBackend",
     "RolloutException",
     "RolloutTimeoutError",
     "Span",
@@ -79,4 +85,8 @@ def __getattr__(name: str) -> Any:
         from .backend.local import LocalBackend
 
         return LocalBackend
+    if name == "RemoteBackend":
+        from .backend.remote import RemoteBackend
+
+        return RemoteBackend
     raise AttributeError(f"module 'tracerl' has no attribute {name!r}")

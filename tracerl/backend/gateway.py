@@ -31,6 +31,7 @@ from .recorder import (
     inject_training_fields,
     strip_for_caller,
 )
+from .request_body import BadBodyEncodingError, BodyTooLargeError, read_limited_body
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 
@@ -181,7 +182,7 @@ class Gateway:
 
     # --- app -------------------------------------------------------------------------------
 
-    def _check_auth(self, request: Request) -> JSONResponse | None:
+    def check_auth(self, request: Request) -> JSONResponse | None:
         if self.api_key is None:
             return None
         auth = request.headers.get("authorization", "")
@@ -195,11 +196,11 @@ class Gateway:
         app = FastAPI(title="tracerl gateway", docs_url=None, redoc_url=None)
 
         @app.get("/health")
-        async def health() -> dict[str, Any]:
-            return {"status": "ok", "models": {n: m.step for n, m in self.models.items()}}
+        async def health() -> dict[str, Any]:  # no key needed, so it tells nothing about models
+            return {"status": "ok"}
 
         async def list_models(request: Request) -> Any:
-            if (denied := self._check_auth(request)) is not None:
+            if (denied := self.check_auth(request)) is not None:
                 return denied
             data = []
             for m in self.models.values():
@@ -220,12 +221,12 @@ class Gateway:
         return app
 
     async def _read_body(self, request: Request) -> dict[str, Any]:
-        length = request.headers.get("content-length")
-        if length is not None and int(length) > MAX_BODY_BYTES:
-            raise EngineRequestError(f"request body over {MAX_BODY_BYTES} bytes", status=413)
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise EngineRequestError(f"request body over {MAX_BODY_BYTES} bytes", status=413)
+        try:
+            raw = await read_limited_body(request, MAX_BODY_BYTES)
+        except BodyTooLargeError as e:
+            raise EngineRequestError(str(e), status=413) from None
+        except BadBodyEncodingError as e:
+            raise EngineRequestError(str(e)) from None
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -251,7 +252,7 @@ class Gateway:
                                          "the call can be recorded exactly", param="prompt")
 
     async def _handle(self, request: Request, endpoint: str, path_rollout: str | None) -> Any:
-        if (denied := self._check_auth(request)) is not None:
+        if (denied := self.check_auth(request)) is not None:
             return denied
         try:
             body = await self._read_body(request)

@@ -211,7 +211,9 @@ class LocalBackend(Backend):
             step = store.latest_step() + 1
             write_groups_jsonl(store.trajectories_path("train", step), groups)  # before training
             hook = get_plugin_manager().hook
-            hook.tracerl_before_train_step(model=model, step=step, groups=groups, config=config)
+            # hooks run in a worker thread: a slow plugin must not stall the gateway's loop
+            await asyncio.to_thread(hook.tracerl_before_train_step, model=model, step=step,
+                                    groups=groups, config=config)
             engine = self.gateway.models[model.name].engine
             await self._gateway().call(engine.sleep())  # frees GPU memory where the engine can
             try:
@@ -230,8 +232,9 @@ class LocalBackend(Backend):
             metrics = {**summarize_groups(groups), **metrics,
                        "seconds": time.perf_counter() - started}  # reward curves need the rewards
             store.log_history(step, "train", metrics)
-            hook.tracerl_after_train_step(model=model, step=step, metrics=metrics)
-            hook.tracerl_log_metrics(model=model, step=step, split="train", metrics=metrics)
+            await asyncio.to_thread(hook.tracerl_after_train_step, model=model, step=step, metrics=metrics)
+            await asyncio.to_thread(hook.tracerl_log_metrics, model=model, step=step, split="train",
+                                    metrics=metrics)
             yield metrics
 
     async def close(self) -> None:

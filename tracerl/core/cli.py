@@ -69,6 +69,23 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from ..backend.serve import parse_base_models, serve
+    from .errors import ConfigError
+
+    api_key = os.environ.get(args.api_key_env) or None
+    if args.api_key_file:
+        try:
+            api_key = open(args.api_key_file).read().strip() or None
+        except OSError as e:
+            raise ConfigError(f"--api-key-file: {e}") from None
+    return serve(host=args.host, port=args.port, path=args.path, api_key=api_key, engine=args.engine,
+                 plugins=args.plugin, base_models=parse_base_models(args.base_model),
+                 max_upload_bytes=args.max_upload_mb * 1024 * 1024, max_queued=args.max_queued)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tracerl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -94,6 +111,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--groups", type=int, default=None, help="groups per step")
     p.add_argument("--base-path", default=".tracerl")
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("serve", help="serve the backend (gateway + trainer) for RemoteBackend clients")
+    p.add_argument("--host", default="127.0.0.1", help="bind address; anything but loopback needs an API key")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--path", default=".tracerl", help="where models, trajectories and checkpoints live")
+    p.add_argument("--engine", default=None, help="auto (default), vllm or transformers")
+    p.add_argument("--api-key-env", default="TRACERL_API_KEY",
+                   help="environment variable holding the API key (default TRACERL_API_KEY)")
+    p.add_argument("--api-key-file", default=None, help="file holding the API key")
+    p.add_argument("--base-model", action="append", default=[], metavar="NAME=PATH",
+                   help="a model folder clients may train, by NAME (repeatable); smollm2 is built in")
+    p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                   help="import MODULE and register it as a plugin (repeatable)")
+    p.add_argument("--max-upload-mb", type=int, default=256, help="largest train/log upload")
+    p.add_argument("--max-queued", type=int, default=4, help="training requests allowed to wait")
+    p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("proxy", help="run a LiteLLM proxy in front of a tracerl gateway")
     p.add_argument("--backend-url", required=True, help="the gateway's OpenAI base URL (.../v1)")

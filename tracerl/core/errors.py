@@ -37,3 +37,20 @@ class EngineError(TracerlError, RuntimeError):
 
 class TrainingError(TracerlError, RuntimeError):
     """A training step could not run."""
+
+
+class AuthenticationError(TracerlError, PermissionError):
+    """A server refused the API key (or none was sent)."""
+
+
+class BackendUnavailableError(TracerlError, ConnectionError):
+    """A remote backend could not be reached, or kept failing, until the retry budget ran out."""
+
+
+class RemoteError(TracerlError, RuntimeError):
+    """A remote backend answered with an error that has no more specific type."""
+
+    def __init__(self, message: str, status: int | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code

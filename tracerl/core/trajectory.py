@@ -267,14 +267,19 @@ def write_groups_jsonl(path: Path, groups: Iterable[TrajectoryGroup], append: bo
     atomic_write_text(path, existing + "".join(g.model_dump_json() + "\n" for g in groups))
 
 
-def read_groups_jsonl(path: Path) -> list[TrajectoryGroup]:
-    """Read groups written by :func:`write_groups_jsonl`; a bad line names its number."""
+def parse_group_lines(lines: Iterable[str], source: str, first_lineno: int = 1) -> list[TrajectoryGroup]:
+    """Groups from JSONL lines (blank lines skipped); a bad line names ``source`` and its number."""
     groups = []
-    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for lineno, line in enumerate(lines, first_lineno):
         if not line.strip():
             continue
         try:
             groups.append(TrajectoryGroup.from_json(line))
         except InvalidTrajectoryError as e:
-            raise InvalidTrajectoryError(f"{path}:{lineno}: not a valid trajectory group: {e}") from e
+            raise InvalidTrajectoryError(f"{source}:{lineno}: not a valid trajectory group: {e}") from e
     return groups
+
+
+def read_groups_jsonl(path: Path) -> list[TrajectoryGroup]:
+    """Read groups written by :func:`write_groups_jsonl`; a bad line names its number."""
+    return parse_group_lines(Path(path).read_text().splitlines(), str(path))

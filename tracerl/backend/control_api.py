@@ -1,0 +1,230 @@
+"""The remote backend's control API (``/api/v1``), served beside the gateway by ``tracerl serve``.
+
+Every route needs the server's API key when it has one. Model and project names, rollout and
+request ids are validated before they touch a path; bodies are read under size limits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ..core.config import ModelConfig, TrainConfig
+from ..core.errors import ConfigError, InvalidTrajectoryError, NotRegisteredError, TracerlError
+from ..core.model import Model, TrainableModel
+from ..core.storage import atomic_write_text, validate_name
+from ..core.wire import API_PREFIX, NDJSON, decode_groups, error_code
+from .gateway import openai_error
+from .request_body import BadBodyEncodingError, BodyTooLargeError, read_limited_body
+from .train_jobs import QueueFullError, TrainConflictError, TrainQueue, request_marker
+
+SMALL_BODY_BYTES = 1024 * 1024
+
+_STATUS = {ConfigError: 400, InvalidTrajectoryError: 400, NotRegisteredError: 404,
+           TrainConflictError: 409, QueueFullError: 429}
+
+
+class ControlServer:
+    """Registered models, the training queue and the routes that reach them."""
+
+    def __init__(self, backend: Any, *, max_upload_bytes: int = 256 * 1024 * 1024,
+                 max_queued: int = 4, heartbeat_s: float = 5.0,
+                 base_models: dict[str, str] | None = None) -> None:
+        self.backend = backend
+        self.base_models = dict(base_models or {})
+        self.max_upload_bytes = max_upload_bytes
+        self.models: dict[str, Model] = {}
+        self.queue = TrainQueue(backend, max_queued=max_queued, heartbeat_s=heartbeat_s)
+        self._register_locks: dict[str, asyncio.Lock] = {}
+        self.ready = False
+
+    # --- models ----------------------------------------------------------------------------
+
+    def model(self, project: str, name: str) -> Model:
+        key = f"{validate_name('project', project)}/{validate_name('model', name)}"
+        if key not in self.models:
+            raise NotRegisteredError(f"model {key} is not registered on this server; register it first")
+        return self.models[key]
+
+    def _base_model_source(self, requested: Any) -> str:
+        """What the server loads for a client's ``base_model``: an embedded model, or a name the
+        operator mapped to a folder (``--base-model NAME=PATH``); never a client's path."""
+        from .weights import SMOLLM2_ALIASES
+
+        if not isinstance(requested, str) or not requested:
+            raise ConfigError("base_model must be a non-empty string")
+        if requested in self.base_models:
+            return self.base_models[requested]
+        if requested.lower() in SMOLLM2_ALIASES:
+            return requested
+        offered = [*sorted(self.base_models), "smollm2"]
+        raise ConfigError(f"base_model {requested!r} is not offered by this server; it offers "
+                          f"{offered} (the operator adds more with --base-model NAME=PATH)")
+
+    async def register(self, definition: dict[str, Any]) -> Model:
+        """Register (idempotently) the model a client describes."""
+        unknown = set(definition) - {"name", "project", "base_model", "trainable", "config"}
+        if unknown:
+            raise ConfigError(f"unknown registration fields: {sorted(unknown)}")
+        source = self._base_model_source(definition.get("base_model"))
+        try:
+            config = ModelConfig.model_validate(definition.get("config") or {})
+        except ValueError as e:
+            raise ConfigError(f"invalid model config: {e}") from None
+        return await self._add(definition.get("name"), definition.get("project"), source,
+                               bool(definition.get("trainable", True)), config)
+
+    async def _add(self, name: Any, project: Any, base_model: str, trainable: bool,
+                   config: ModelConfig) -> Model:
+        key = f"{validate_name('project', project)}/{validate_name('model', name)}"
+        cls = TrainableModel if trainable else Model
+        async with self._register_locks.setdefault(key, asyncio.Lock()):
+            existing = self.models.get(key)
+            if existing is not None:
+                if (existing.base_model, existing.config, existing.trainable) != (base_model, config, trainable):
+                    raise ConfigError(f"model {key} is registered with another base model or config; "
+                                      "use a new model name for a different set-up")
+                return existing
+            model = cls(name=name, project=project, base_model=base_model, config=config)
+            await model.register(self.backend)
+            self.models[key] = model
+            return model
+
+    async def restore(self, base_path: Path) -> list[str]:
+        """Register again every model this server's folder holds (after a restart)."""
+        restored = []
+        for definition_path in sorted(Path(base_path).glob("*/models/*/model.json")):
+            d = json.loads(definition_path.read_text())
+            await self._add(d["name"], d["project"], d["base_model"], d.get("trainable", True),
+                            ModelConfig.model_validate(d.get("config") or {}))
+            restored.append(f"{d['project']}/{d['name']}")
+        self.ready = True
+        return restored
+
+    # --- routes ----------------------------------------------------------------------------
+
+    async def _body(self, request: Request, limit: int) -> bytes:
+        try:
+            return await read_limited_body(request, limit)
+        except BodyTooLargeError as e:
+            raise _HTTPError(413, str(e), "body_too_large") from None
+        except BadBodyEncodingError as e:
+            raise _HTTPError(400, str(e), "bad_encoding") from None
+
+    async def _json(self, request: Request) -> dict[str, Any]:
+        raw = await self._body(request, SMALL_BODY_BYTES)
+        try:
+            body = json.loads(raw or b"{}")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise ConfigError("request body must be a JSON object")
+        return body
+
+    def install(self, app: FastAPI, check_auth: Any) -> None:
+        """Add the control routes to ``app`` (the gateway's), guarded by ``check_auth``."""
+        router = APIRouter(prefix=API_PREFIX)
+
+        @app.exception_handler(_HTTPError)
+        async def http_error(request: Request, e: _HTTPError) -> JSONResponse:
+            return openai_error(e.status, str(e), code=e.code)
+
+        @app.exception_handler(TracerlError)
+        async def tracerl_error(request: Request, e: TracerlError) -> JSONResponse:
+            status = next((s for cls, s in _STATUS.items() if isinstance(e, cls)), 500)
+            return openai_error(status, str(e), code=error_code(e))
+
+        @app.middleware("http")
+        async def authenticate(request: Request, call_next: Any) -> Any:
+            if request.url.path.startswith(API_PREFIX + "/") and (denied := check_auth(request)):
+                return denied
+            return await call_next(request)
+
+        @router.get("/status")
+        async def status() -> dict[str, Any]:
+            return {"ready": self.ready, "training": self.queue.status(),
+                    "models": {k: await self.backend.get_step(m) for k, m in self.models.items()}}
+
+        @router.post("/models")
+        async def register(request: Request) -> dict[str, Any]:
+            model = await self.register(await self._json(request))
+            return {"model_name": model.name, "step": await self.backend.get_step(model),
+                    "gateway_path": "/v1"}
+
+        @router.get("/models/{project}/{name}")
+        async def get_model(project: str, name: str) -> dict[str, Any]:
+            model = self.model(project, name)
+            return {"name": model.name, "project": model.project, "base_model": model.base_model,
+                    "step": await self.backend.get_step(model)}
+
+        @router.post("/models/{project}/{name}/train")
+        async def train(project: str, name: str, request: Request) -> StreamingResponse:
+            model = self.model(project, name)
+            params, groups = decode_groups(await self._body(request, self.max_upload_bytes))
+            try:
+                config = TrainConfig.model_validate(params.get("config") or {})
+            except ValueError as e:
+                raise ConfigError(f"invalid train config: {e}") from None
+            if not groups:
+                raise InvalidTrajectoryError("train got no trajectory groups")
+            job = self.queue.submit(model, params.get("request_id"), groups, config)
+            return StreamingResponse(_ndjson(self.queue.events(job)), media_type=NDJSON)
+
+        @router.post("/models/{project}/{name}/log")
+        async def log(project: str, name: str, request: Request) -> dict[str, Any]:
+            model = self.model(project, name)
+            params, groups = decode_groups(await self._body(request, self.max_upload_bytes))
+            split, step = params.get("split"), params.get("step")
+            metrics = params.get("metrics") or {}
+            if not isinstance(step, int) or step < 0:
+                raise ConfigError("the parameters line needs step, an integer >= 0")
+            if not isinstance(metrics, dict) or not all(
+                    isinstance(v, int | float) and not isinstance(v, bool) for v in metrics.values()):
+                raise ConfigError("metrics must be a JSON object of numbers")
+            marker = request_marker(self.backend.store(model), "log", params.get("request_id"))
+            if not marker.exists():  # a retried log is applied once
+                await self.backend.log(model, groups, validate_name("split", split), step, metrics)
+                atomic_write_text(marker, json.dumps({"split": split, "step": step}))
+            return {"logged": len(groups)}
+
+        @router.get("/models/{project}/{name}/history")
+        async def history(project: str, name: str) -> list[dict[str, Any]]:
+            return await self.backend.history(self.model(project, name))
+
+        @router.get("/models/{project}/{name}/calls/{rollout_id}")
+        async def calls(project: str, name: str, rollout_id: str) -> list[dict[str, Any]]:
+            validate_name("rollout id", rollout_id)
+            found = await self.backend.fetch_calls(self.model(project, name), rollout_id)
+            return [c.model_dump(mode="json") for c in found]
+
+        @router.get("/models/{project}/{name}/pending")
+        async def pending(project: str, name: str) -> StreamingResponse:
+            groups = await self.backend.pending_groups(self.model(project, name))
+            return StreamingResponse(iter([g.model_dump_json() + "\n" for g in groups]), media_type=NDJSON)
+
+        @router.post("/models/{project}/{name}/checkpoints/delete")
+        async def delete_checkpoints(project: str, name: str, request: Request) -> dict[str, Any]:
+            model = self.model(project, name)
+            keep = (await self._json(request)).get("keep_steps")
+            if not isinstance(keep, list) or not all(isinstance(s, int) and s >= 0 for s in keep):
+                raise ConfigError("keep_steps must be a list of step numbers")
+            return {"deleted": await self.backend.delete_checkpoints(model, set(keep))}
+
+        app.include_router(router)
+
+
+class _HTTPError(Exception):
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+async def _ndjson(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    async for event in events:
+        yield json.dumps(event, allow_nan=False).encode() + b"\n"

@@ -1,0 +1,53 @@
+"""Reading request bodies with a size limit, before anything is parsed.
+
+The limit holds for the bytes on the wire (checked as they arrive, so a chunked upload cannot
+grow past it) and, for ``Content-Encoding: gzip``, for the decompressed bytes too.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from fastapi import Request
+
+
+class BodyTooLargeError(ValueError):
+    """The body is larger than the endpoint accepts (HTTP 413)."""
+
+
+class BadBodyEncodingError(ValueError):
+    """The body's Content-Encoding is unknown or its data is corrupt (HTTP 400/415)."""
+
+
+async def read_limited_body(request: Request, limit: int) -> bytes:
+    """The request body, decompressed if gzipped; raises :class:`BodyTooLargeError` past ``limit``."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise BodyTooLargeError(f"request body of {length} bytes is over the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLargeError(f"request body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding in ("", "identity"):
+        return raw
+    if encoding != "gzip":
+        raise BadBodyEncodingError(f"Content-Encoding {encoding!r} is not supported (use gzip or none)")
+    return gunzip_limited(raw, limit)
+
+
+def gunzip_limited(data: bytes, limit: int) -> bytes:
+    """Decompress gzip ``data``, refusing output past ``limit`` bytes (no zip bombs)."""
+    inflater = zlib.decompressobj(wbits=31)
+    try:
+        out = inflater.decompress(data, limit + 1)
+    except zlib.error as e:
+        raise BadBodyEncodingError(f"request body is not valid gzip: {e}") from None
+    if len(out) > limit or inflater.unconsumed_tail:
+        raise BodyTooLargeError(f"decompressed request body is over the limit of {limit} bytes")
+    if not inflater.eof:
+        raise BadBodyEncodingError("request body is truncated gzip")
+    return out

@@ -1,0 +1,63 @@
+"""``tracerl serve``: the backend (gateway + trainer + control API) as a server for thin clients."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from ..core.errors import ConfigError
+from ..core.plugins import register as register_plugin
+from .control_api import ControlServer
+from .local import LocalBackend
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def parse_base_models(items: list[str]) -> dict[str, str]:
+    """``NAME=PATH`` pairs: the base models clients may ask for by NAME."""
+    out = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"--base-model wants NAME=PATH, got {item!r}")
+        if not (Path(path).expanduser() / "config.json").exists():
+            raise ConfigError(f"--base-model {name}: {path} is not a model folder (no config.json)")
+        out[name] = str(Path(path).expanduser().resolve())
+    return out
+
+
+def serve(*, host: str, port: int, path: str, api_key: str | None, engine: str | None = None,
+          plugins: list[str] = (), base_models: dict[str, str] | None = None,
+          max_upload_bytes: int = 256 * 1024 * 1024, max_queued: int = 4,
+          heartbeat_s: float = 5.0) -> int:
+    """Serve until SIGTERM or Ctrl-C. Models registered earlier in ``path`` are served again."""
+    if host not in LOOPBACK and not api_key:
+        raise ConfigError(f"serving on {host} needs an API key (set TRACERL_API_KEY); "
+                          "without one, only loopback (127.0.0.1) is allowed")
+    for module in plugins:
+        register_plugin(importlib.import_module(module), name=module)
+    backend = LocalBackend(path=path, host=host, port=port, api_key=api_key, engine=engine)
+    control = ControlServer(backend, max_upload_bytes=max_upload_bytes, max_queued=max_queued,
+                            heartbeat_s=heartbeat_s, base_models=base_models)
+    control.install(backend.gateway.app, backend.gateway.check_auth)
+    url = backend.base_url.removesuffix("/v1")
+    print(f"tracerl serve: listening on {url} (data in {Path(path).resolve()})", flush=True)
+    thread = backend._gateway()
+    restored = asyncio.run_coroutine_threadsafe(control.restore(Path(path)), thread.loop).result()
+    print(f"tracerl serve: ready; models restored: {', '.join(restored) or 'none'}", flush=True)
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(0.5):
+        if not thread.thread.is_alive():
+            print("tracerl serve: the server thread died", file=sys.stderr)
+            return 1
+    print("tracerl serve: stopping", flush=True)
+    asyncio.run_coroutine_threadsafe(control.queue.close(), thread.loop).result(timeout=30)
+    asyncio.run(backend.close())
+    return 0
