@@ -4,6 +4,7 @@ import re
 
 import tracerl
 from tracerl.core.cli import main
+from tracerl.core.report import COLOURS
 from tracerl.core.storage import ModelStore
 from tracerl.core.trajectory import write_groups_jsonl
 
@@ -39,3 +40,22 @@ def test_report_has_curves_and_best_worst(tmp_path, capsys):
 def test_report_of_a_non_model_folder_is_a_clear_error(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert "not a model folder" in capsys.readouterr().err
+
+
+def test_png_report_draws_both_splits(tmp_path, capsys):
+    from matplotlib.image import imread
+
+    root = make_model_dir(tmp_path)
+    assert main(["report", str(root), "--png"]) == 0
+    png = root / "report.png"
+    assert capsys.readouterr().out.split() == [str(root / "report.html"), str(png)]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels = imread(png)  # rows x columns x RGBA in [0, 1]
+    assert pixels.shape[1] == 1000 and pixels.shape[0] == 350
+
+    def count(hex_colour):
+        rgb = [int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+        return int((abs(pixels[..., :3] - rgb).max(axis=-1) < 0.02).sum())
+
+    assert count(COLOURS["train"]) > 200 and count(COLOURS["val"]) > 20  # lines and markers drawn
+

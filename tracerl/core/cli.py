@@ -41,9 +41,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from .report import write_report
+    from .report import write_png, write_report
 
     print(write_report(args.model_dir, out=args.out, step=args.step))
+    if args.png:
+        print(write_png(args.model_dir))
     return 0
 
 
@@ -102,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model_dir", help="e.g. .tracerl/PROJECT/models/NAME")
     p.add_argument("--out", default=None, help="default: MODEL_DIR/report.html")
     p.add_argument("--step", type=int, default=None, help="training step to show (default: last)")
+    p.add_argument("--png", action="store_true", help="also write MODEL_DIR/report.png (matplotlib)")
     p.set_defaults(func=_cmd_report)
 
     p = sub.add_parser("demo", help="train SmolLM2-135M with GRPO on CPU on a verifiable task")

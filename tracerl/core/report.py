@@ -1,4 +1,5 @@
-"""``tracerl report MODEL_DIR``: a self-contained HTML report (inline SVG, no dependencies).
+"""``tracerl report MODEL_DIR``: a self-contained HTML report (inline SVG, no dependencies),
+and with ``--png`` the curves as a PNG (matplotlib).
 
 Reward and loss curves per step from ``history.jsonl``, and the best and worst trajectories of
 a training step from ``trajectories/train/{step}.jsonl``.
@@ -12,14 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
-from .storage import atomic_write_text, read_jsonl
+from .storage import atomic_write_bytes, atomic_write_text, read_jsonl
 from .trajectory import read_groups_jsonl
 
 WIDTH, HEIGHT, PAD = 640, 240, 40
 COLOURS = {"train": "#1f77b4", "val": "#d62728"}
 
 
-def _series(history: list[dict[str, Any]], metric: str) -> dict[str, list[tuple[int, float]]]:
+def series(history: list[dict[str, Any]], metric: str) -> dict[str, list[tuple[int, float]]]:
     out: dict[str, list[tuple[int, float]]] = {}
     for h in history:
         if metric in h and isinstance(h[metric], int | float):
@@ -76,16 +77,22 @@ def _render_trajectory(t: Any) -> str:
             f"{html.escape(t.rollout_id or '-')}</p>{''.join(rows)}</div>")
 
 
-def build_report(model_dir: Path, step: int | None = None, n: int = 2) -> str:
-    model_dir = Path(model_dir)
-    history_path = model_dir / "history.jsonl"
+CHARTS = ("reward", "loss")
+
+
+def read_history(model_dir: Path) -> list[dict[str, Any]]:
+    history_path = Path(model_dir) / "history.jsonl"
     if not history_path.exists():
         raise ConfigError(f"{model_dir} is not a model folder (no history.jsonl)")
-    history = read_jsonl(history_path)
+    return read_jsonl(history_path)
+
+
+def build_report(model_dir: Path, step: int | None = None, n: int = 2) -> str:
+    model_dir = Path(model_dir)
+    history = read_history(model_dir)
     steps = sorted(int(p.stem) for p in (model_dir / "trajectories" / "train").glob("*.jsonl"))
     body = [f"<h1>{html.escape(model_dir.name)}</h1>",
-            svg_chart("reward", _series(history, "reward")),
-            svg_chart("loss", _series(history, "loss"))]
+            *(svg_chart(metric, series(history, metric)) for metric in CHARTS)]
     if steps:
         step = steps[-1] if step is None else step
         path = model_dir / "trajectories" / "train" / f"{step:04d}.jsonl"
@@ -105,4 +112,33 @@ def build_report(model_dir: Path, step: int | None = None, n: int = 2) -> str:
 def write_report(model_dir: Path, out: Path | None = None, step: int | None = None) -> Path:
     out = Path(out) if out else Path(model_dir) / "report.html"
     atomic_write_text(out, build_report(Path(model_dir), step=step))
+    return out
+
+
+def write_png(model_dir: Path, out: Path | None = None) -> Path:
+    """The same curves as a PNG (needs matplotlib: ``pip install 'tracerl[report]'``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ConfigError("PNG reports need matplotlib: pip install 'tracerl[report]'") from None
+    import io
+
+    history = read_history(Path(model_dir))
+    fig = Figure(figsize=(5 * len(CHARTS), 3.5), dpi=100, layout="constrained")
+    for ax, metric in zip(fig.subplots(1, len(CHARTS)), CHARTS, strict=True):
+        for split, pts in sorted(series(history, metric).items()):
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=split,
+                    color=COLOURS.get(split, "#2ca02c"))
+        ax.set(title=metric, xlabel="step")
+        if ax.lines:
+            ax.legend()
+        else:
+            ax.text(0.5, 0.5, f"no {metric} recorded", ha="center", transform=ax.transAxes)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    out = Path(out) if out else Path(model_dir) / "report.png"
+    atomic_write_bytes(out, buf.getvalue())
     return out
