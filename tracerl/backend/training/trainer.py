@@ -84,10 +84,15 @@ class Trainer:
         return get_peft_model(base, self._peft_config())
 
     def _load_unsloth(self, model_path: Path) -> Any:  # pragma: no cover - GPU only
+        os.environ.setdefault("UNSLOTH_RETURN_LOGITS", "1")  # the loss needs logits, not Unsloth's CE
+        from transformers import AutoConfig
         from unsloth import FastLanguageModel
 
+        # the model's own context length: a longer one makes Unsloth rescale RoPE, and the
+        # trained policy would no longer be the served one
+        max_len = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", 8192)
         model, _ = FastLanguageModel.from_pretrained(
-            model_name=str(model_path), dtype=self.dtype, load_in_4bit=False, max_seq_length=8192)
+            model_name=str(model_path), dtype=self.dtype, load_in_4bit=False, max_seq_length=max_len)
         return FastLanguageModel.get_peft_model(
             model, r=self.lora.r, lora_alpha=self.lora.alpha, lora_dropout=self.lora.dropout,
             target_modules=list(self.lora.target_modules), use_gradient_checkpointing=False)
