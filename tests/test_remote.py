@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import os
 import subprocess
 import sys
 import time
@@ -171,7 +172,7 @@ async def test_client_errors_are_clear_and_never_hang(server):
 
 
 def test_serve_refuses_a_public_address_without_a_key(tmp_path):
-    env = {k: v for k, v in __import__("os").environ.items() if k != "TRACERL_API_KEY"}
+    env = {k: v for k, v in os.environ.items() if k != "TRACERL_API_KEY"}
     out = subprocess.run([sys.executable, "-m", "tracerl.core.cli", "serve", "--host", "0.0.0.0",
                           "--path", str(tmp_path)], capture_output=True, text=True, env=env,
                          cwd=ROOT, timeout=120)

@@ -16,7 +16,12 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..core.config import ModelConfig, TrainConfig
-from ..core.errors import ConfigError, InvalidTrajectoryError, NotRegisteredError, TracerlError
+from ..core.errors import (
+    ConfigError,
+    InvalidTrajectoryError,
+    NotRegisteredError,
+    TracerlError,
+)
 from ..core.model import Model, TrainableModel
 from ..core.storage import atomic_write_text, validate_name
 from ..core.wire import API_PREFIX, NDJSON, decode_groups, error_code

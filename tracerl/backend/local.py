@@ -110,6 +110,16 @@ class LocalBackend(Backend):
             self._thread = _GatewayThread(self.gateway.app, self.host, self.port)
         return self._thread
 
+    def run_sync(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the gateway's loop and wait for it, from a thread with no running
+        loop (the ``tracerl serve`` main thread)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._gateway().loop).result(timeout)
+
+    @property
+    def serving(self) -> bool:
+        """Whether the gateway's server thread is running."""
+        return self._thread is not None and self._thread.thread.is_alive()
+
     @property
     def base_url(self) -> str:
         t = self._gateway()

@@ -46,18 +46,17 @@ def serve(*, host: str, port: int, path: str, api_key: str | None, engine: str |
     control.install(backend.gateway.app, backend.gateway.check_auth)
     url = backend.base_url.removesuffix("/v1")
     print(f"tracerl serve: listening on {url} (data in {Path(path).resolve()})", flush=True)
-    thread = backend._gateway()
-    restored = asyncio.run_coroutine_threadsafe(control.restore(Path(path)), thread.loop).result()
+    restored = backend.run_sync(control.restore(Path(path)))
     print(f"tracerl serve: ready; models restored: {', '.join(restored) or 'none'}", flush=True)
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(0.5):
-        if not thread.thread.is_alive():
+        if not backend.serving:
             print("tracerl serve: the server thread died", file=sys.stderr)
             return 1
     print("tracerl serve: stopping", flush=True)
-    asyncio.run_coroutine_threadsafe(control.queue.close(), thread.loop).result(timeout=30)
+    backend.run_sync(control.queue.close(), timeout=30)
     asyncio.run(backend.close())
     return 0

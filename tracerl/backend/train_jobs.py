@@ -27,9 +27,13 @@ from ..core.wire import error_code
 class TrainConflictError(TrainingError):
     """Another training request of the same model is queued or running (HTTP 409)."""
 
+    code = "training_conflict"
+
 
 class QueueFullError(TrainingError):
     """Too many training requests are waiting (HTTP 429)."""
+
+    code = "queue_full"
 
 
 @dataclass

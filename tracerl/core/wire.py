@@ -39,7 +39,9 @@ ERROR_CODES: dict[str, type[TracerlError]] = {
 
 
 def error_code(exc: BaseException) -> str:
-    """The wire code of an exception raised on the server."""
+    """The wire code of an exception raised on the server (its ``code`` attribute, if any)."""
+    if isinstance(getattr(exc, "code", None), str) and exc.code in ERROR_CODES:
+        return exc.code
     for code, cls in ERROR_CODES.items():
         if type(exc) is cls:
             return code
