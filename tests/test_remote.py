@@ -169,6 +169,8 @@ async def test_client_errors_are_clear_and_never_hang(server):
     with pytest.raises(tracerl.BackendUnavailableError, match="did not answer for 1 s"):
         await model.register(dead)
     assert time.monotonic() - started < 10
+    with pytest.warns(UserWarning, match="plain HTTP"):
+        tracerl.RemoteBackend("http://10.0.0.1:8000", api_key="k")
 
 
 def test_serve_refuses_a_public_address_without_a_key(tmp_path):
@@ -195,11 +197,19 @@ async def test_kill_9_mid_step_then_restart_loses_nothing(tmp_path):
             assert time.monotonic() < deadline and not training.done(), "step 1 never started"
             await asyncio.sleep(0.2)
 
-        # while step 1 runs: the server still answers, and a second step is refused clearly
-        status = await backend.status()
-        assert status["training"][0]["state"] == "running" and status["training"][0]["step"] == 1
+        # while step 1 runs: the server still answers, a second step of the model is refused
+        # clearly, and another model's step queues behind it
         with pytest.raises(tracerl.TrainingError, match="already has training request"):
             await model.train(groups)
+        other = tracerl.TrainableModel(name="queued", project="tests", base_model="smollm2", config=CONFIG)
+        await other.register(backend)
+        other_groups = await tracerl.gather_trajectory_groups(
+            [tracerl.TrajectoryGroup(_rollout(other, i) for i in range(4))], show_progress=False)
+        other_training = asyncio.create_task(other.train(other_groups))
+        while len((await backend.status())["training"]) < 2:
+            await asyncio.sleep(0.2)
+        states = {t["model"]: (t["state"], t["step"]) for t in (await backend.status())["training"]}
+        assert states == {"tests/crashy": ("running", 1), "tests/queued": ("queued", None)}
 
         srv.kill9()
         store = ModelStore(tmp_path / "data", "tests", "crashy")
@@ -215,6 +225,9 @@ async def test_kill_9_mid_step_then_restart_loses_nothing(tmp_path):
         assert len(saved) == 4 and all(t.llm_calls[0].prompt_token_ids for t in saved)
         (request,) = (store.root / "requests" / "train").glob("*.json")
         assert json.loads(request.read_text())["state"] == "done"
+
+        other_metrics = await asyncio.wait_for(other_training, 300)  # the queued step ran after
+        assert other_metrics["rows"] == 4 and await other.get_step() == 1
 
         srv.kill9()  # an idle restart serves the last checkpoint again
         srv.start()

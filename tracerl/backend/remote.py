@@ -23,6 +23,7 @@ import os
 import random
 import time
 import uuid
+import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -56,6 +57,10 @@ class RemoteBackend(Backend):
                  connect_timeout_s: float = 10.0, retry_for_s: float = 300.0,
                  compress_uploads: bool = True) -> None:
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
+        url = httpx.URL(self.base_url)
+        if url.scheme == "http" and url.host not in ("127.0.0.1", "localhost", "::1"):
+            warnings.warn(f"{self.base_url} is plain HTTP: the API key and the trajectories cross the "
+                          "network unencrypted; put the server behind TLS (https://)", stacklevel=2)
         self.api_key = api_key if api_key is not None else os.environ.get("TRACERL_API_KEY")
         self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self.retry_for_s = retry_for_s

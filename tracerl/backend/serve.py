@@ -38,6 +38,9 @@ def serve(*, host: str, port: int, path: str, api_key: str | None, engine: str |
     if host not in LOOPBACK and not api_key:
         raise ConfigError(f"serving on {host} needs an API key (set TRACERL_API_KEY); "
                           "without one, only loopback (127.0.0.1) is allowed")
+    if host not in LOOPBACK:
+        print(f"tracerl serve: listening on {host} over plain HTTP; put a TLS-terminating proxy in "
+              "front of it so the API key and trajectories are encrypted", file=sys.stderr)
     for module in plugins:
         register_plugin(importlib.import_module(module), name=module)
     backend = LocalBackend(path=path, host=host, port=port, api_key=api_key, engine=engine)
