@@ -59,7 +59,7 @@ def _bar(value: float, width: int = 30) -> str:
 
 
 async def demo(steps: int, engine: str, base_path: str, group_size: int, groups_per_step: int,
-               learning_rate: float = 1e-3) -> dict[str, object]:
+               learning_rate: float = 2e-3) -> dict[str, object]:
     """Train and evaluate; returns the held-out evaluations and the train reward curve."""
     os.environ.setdefault("TRACERL_QUIET", "1")
     import torch

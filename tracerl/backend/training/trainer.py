@@ -5,6 +5,7 @@ length-bucketed micro-batches with gradient accumulation.
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
 import math
@@ -29,6 +30,17 @@ STATE_FILE = "trainer_state.json"
 def unsloth_usable() -> bool:
     return (os.environ.get("TRACERL_DISABLE_UNSLOTH") != "1" and torch.cuda.is_available()
             and importlib.util.find_spec("unsloth") is not None)
+
+
+def return_freed_memory() -> None:
+    """Hand memory a step freed back to the OS. glibc keeps freed heap pages of the step's big
+    temporaries (logits, activations): measured on CPU, the RSS of a process that trains grew by
+    GBs per step (5.3 GiB after 2 demo steps, 14.5 GiB after 12) and stays ~1.6 GiB with this."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc (musl...): nothing to do
+            pass
 
 
 def micro_batches(rows: list[Row], max_tokens: int) -> list[list[Row]]:
@@ -190,6 +202,13 @@ class Trainer:
         return out.logits[:, :-1]
 
     def train_step(self, groups: list[TrajectoryGroup], config: TrainConfig) -> dict[str, float]:
+        try:
+            return self._train_step(groups, config)
+        finally:
+            if self.device.type == "cpu":
+                return_freed_memory()
+
+    def _train_step(self, groups: list[TrajectoryGroup], config: TrainConfig) -> dict[str, float]:
         rows, stats, skipped_groups = self.build_rows(groups, config)
         metrics: dict[str, float] = {**stats.as_metrics(), "skipped_groups": float(skipped_groups)}
         if skipped_groups:
