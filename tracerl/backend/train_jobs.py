@@ -3,7 +3,7 @@
 A request id names one training step. Sending it again attaches to the step while it runs,
 returns its result once it has finished, and, after a crash of the server, trains the step
 again from the trajectories saved before the crash. The id's state is kept on disk in
-``{model}/requests/{id}.json`` (written before training starts and after it ends), so a
+``{model}/requests/train/{id}.json`` (written before training starts and after it ends), so a
 restarted server knows it.
 """
 
@@ -114,8 +114,9 @@ class TrainQueue:
                 return self._remember(job)
             if job.step in store.checkpoint_steps():  # crashed after the checkpoint was saved
                 job.state = "done"
-                job.metrics = next((h for h in reversed(store.history())
-                                    if h.get("step") == job.step and h.get("split") == "train"), {})
+                line = next((h for h in reversed(store.history())
+                             if h.get("step") == job.step and h.get("split") == "train"), {})
+                job.metrics = {k: v for k, v in line.items() if k not in ("step", "split", "time")}
                 _write_marker(store, job)
                 return self._remember(job)
             if store.latest_step() != job.step - 1:
