@@ -73,7 +73,10 @@ def tracerl_score_group(group: TrajectoryGroup, judge: str | None) -> Any:
 def tracerl_before_train_step(
     model: Model, step: int, groups: list[TrajectoryGroup], config: Any
 ) -> None:
-    """Called before a training step on ``groups`` (already written to disk)."""
+    """Called before a training step on ``groups`` (already written to disk). The local
+    backend calls the training and logging hooks from a worker thread, so they may block
+    without stalling inference; with a remote backend they run on the client (and the
+    server's own plugins on the server)."""
 
 
 @hookspec
