@@ -45,6 +45,25 @@ class _Retry(Exception):
     """A failure worth retrying (connection lost, server restarting)."""
 
 
+class _Backoff:
+    """Jittered exponential waits (0.25 s doubling to 10 s) within a budget of seconds."""
+
+    def __init__(self, budget_s: float) -> None:
+        self.budget_s = budget_s
+        self.reset()
+
+    def reset(self) -> None:
+        self.deadline, self.delay = time.monotonic() + self.budget_s, 0.25
+
+    async def wait(self) -> bool:
+        """Sleep before the next attempt; False, without sleeping, once the budget is spent."""
+        if time.monotonic() + self.delay > self.deadline:
+            return False
+        await asyncio.sleep(self.delay * (0.5 + random.random()))
+        self.delay = min(self.delay * 2, 10.0)
+        return True
+
+
 class RemoteBackend(Backend):
     """Serve and train models on a remote ``tracerl serve`` server.
 
@@ -84,19 +103,16 @@ class RemoteBackend(Backend):
 
     async def _with_retries(self, what: str, attempt: Callable[[], Awaitable[T]]) -> T:
         """Run ``attempt`` until it succeeds, fails for good, or ``retry_for_s`` has passed."""
-        deadline = time.monotonic() + self.retry_for_s
-        delay = 0.25
+        backoff = _Backoff(self.retry_for_s)
         while True:
             try:
                 return await attempt()
             except (_Retry, httpx.TransportError) as e:
                 last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-            if time.monotonic() + delay > deadline:
+            if not await backoff.wait():
                 raise BackendUnavailableError(
                     f"{what}: the server at {self.base_url} did not answer for {self.retry_for_s:.0f} s "
                     f"(last problem: {last})")
-            await asyncio.sleep(delay * (0.5 + random.random()))
-            delay = min(delay * 2, 10.0)
 
     async def _check(self, response: httpx.Response) -> httpx.Response:
         if response.status_code in RETRY_STATUSES:
@@ -164,8 +180,7 @@ class RemoteBackend(Backend):
                                      groups)
         path = API_PREFIX + self._model_path(model) + "/train"
         hook = get_plugin_manager().hook
-        deadline = time.monotonic() + self.retry_for_s
-        delay, started = 0.25, False
+        backoff, started = _Backoff(self.retry_for_s), False
         while True:
             connected = False
             try:
@@ -197,17 +212,15 @@ class RemoteBackend(Backend):
             except (_Retry, httpx.TransportError) as e:
                 problem = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
                 if connected:  # the server was there: give it the whole budget to come back
-                    deadline, delay = time.monotonic() + self.retry_for_s, 0.25
+                    backoff.reset()
             except NotRegisteredError:
                 await self.register(model)  # the server restarted without this model
                 continue
-            if time.monotonic() + delay > deadline:
+            if not await backoff.wait():
                 raise TrainingError(
                     f"training request {request_id} lost the server at {self.base_url} for "
                     f"{self.retry_for_s:.0f} s (last problem: {problem}); the server keeps the "
                     "step's trajectories: `await backend.pending_groups(model)`")
-            await asyncio.sleep(delay * (0.5 + random.random()))
-            delay = min(delay * 2, 10.0)
 
     async def log(self, model: Any, groups: list[TrajectoryGroup], split: str, step: int,
                   metrics: dict[str, float]) -> None:
