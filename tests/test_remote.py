@@ -236,6 +236,8 @@ async def test_kill_9_mid_step_then_restart_loses_nothing(tmp_path):
                 model=model.name, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
         (call,) = await model.fetch_calls(ro.rollout_id)
         assert call.adapter_step == 1 and await model.get_step() == 1
+        srv.stop()  # SIGTERM: a clean stop, well within the fixture's 30 s
+        assert srv.proc.returncode == 0 and "tracerl serve: stopping" in srv.log.read_text()
     finally:
         await backend.close()
         srv.stop()
