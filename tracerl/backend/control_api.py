@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..core.config import ModelConfig, TrainConfig
 from ..core.errors import (
@@ -24,9 +24,16 @@ from ..core.errors import (
 )
 from ..core.model import Model, TrainableModel
 from ..core.storage import atomic_write_text, validate_name
+from ..core.trajectory import group_lines
 from ..core.wire import API_PREFIX, NDJSON, decode_groups, error_code
 from .gateway import openai_error
-from .request_body import BadBodyEncodingError, BodyTooLargeError, read_limited_body
+from .request_body import (
+    BadBodyEncodingError,
+    BadBodyError,
+    BodyTooLargeError,
+    parse_json_object,
+    read_limited_body,
+)
 from .train_jobs import QueueFullError, TrainConflictError, TrainQueue, request_marker
 
 SMALL_BODY_BYTES = 1024 * 1024
@@ -125,12 +132,9 @@ class ControlServer:
     async def _json(self, request: Request) -> dict[str, Any]:
         raw = await self._body(request, SMALL_BODY_BYTES)
         try:
-            body = json.loads(raw or b"{}")
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise ConfigError("request body must be a JSON object")
-        return body
+            return parse_json_object(raw or b"{}")
+        except BadBodyError as e:
+            raise ConfigError(str(e)) from None
 
     def install(self, app: FastAPI, check_auth: Any) -> None:
         """Add the control routes to ``app`` (the gateway's), guarded by ``check_auth``."""
@@ -211,7 +215,7 @@ class ControlServer:
         @router.get("/models/{project}/{name}/pending")
         async def pending(project: str, name: str) -> StreamingResponse:
             groups = await self.backend.pending_groups(self.model(project, name))
-            return StreamingResponse(iter([g.model_dump_json() + "\n" for g in groups]), media_type=NDJSON)
+            return Response(group_lines(groups), media_type=NDJSON)
 
         @router.post("/models/{project}/{name}/checkpoints/delete")
         async def delete_checkpoints(project: str, name: str, request: Request) -> dict[str, Any]:

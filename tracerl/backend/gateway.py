@@ -31,7 +31,7 @@ from .recorder import (
     inject_training_fields,
     strip_for_caller,
 )
-from .request_body import BadBodyEncodingError, BodyTooLargeError, read_limited_body
+from .request_body import BadBodyError, BodyTooLargeError, parse_json_object, read_limited_body
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 
@@ -222,18 +222,11 @@ class Gateway:
 
     async def _read_body(self, request: Request) -> dict[str, Any]:
         try:
-            raw = await read_limited_body(request, MAX_BODY_BYTES)
+            return parse_json_object(await read_limited_body(request, MAX_BODY_BYTES))
         except BodyTooLargeError as e:
             raise EngineRequestError(str(e), status=413) from None
-        except BadBodyEncodingError as e:
+        except BadBodyError as e:  # bad encoding or not a JSON object
             raise EngineRequestError(str(e)) from None
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise EngineRequestError(f"request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise EngineRequestError("request body must be a JSON object")
-        return body
 
     @staticmethod
     def _check_body(endpoint: str, body: dict[str, Any]) -> None:

@@ -6,7 +6,9 @@ grow past it) and, for ``Content-Encoding: gzip``, for the decompressed bytes to
 
 from __future__ import annotations
 
+import json
 import zlib
+from typing import Any
 
 from fastapi import Request
 
@@ -15,8 +17,23 @@ class BodyTooLargeError(ValueError):
     """The body is larger than the endpoint accepts (HTTP 413)."""
 
 
-class BadBodyEncodingError(ValueError):
-    """The body's Content-Encoding is unknown or its data is corrupt (HTTP 400/415)."""
+class BadBodyError(ValueError):
+    """The body is not what the endpoint reads (HTTP 400)."""
+
+
+class BadBodyEncodingError(BadBodyError):
+    """The body's Content-Encoding is unknown or its data is corrupt (HTTP 400)."""
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """A body that must be one JSON object."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadBodyError(f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise BadBodyError("request body must be a JSON object")
+    return body
 
 
 async def read_limited_body(request: Request, limit: int) -> bytes:

@@ -259,12 +259,17 @@ class TrajectoryGroup(_Validated):
 
 
 
+def group_lines(groups: Iterable[TrajectoryGroup]) -> str:
+    """Groups as JSONL, one group per line: the on-disk and on-the-wire format."""
+    return "".join(g.model_dump_json() + "\n" for g in groups)
+
+
 def write_groups_jsonl(path: Path, groups: Iterable[TrajectoryGroup], append: bool = False) -> None:
     """Write groups to ``path`` atomically, one group per line (after its lines, if ``append``)."""
     from .storage import atomic_write_text
 
     existing = Path(path).read_text() if append and Path(path).exists() else ""
-    atomic_write_text(path, existing + "".join(g.model_dump_json() + "\n" for g in groups))
+    atomic_write_text(path, existing + group_lines(groups))
 
 
 def parse_group_lines(lines: Iterable[str], source: str, first_lineno: int = 1) -> list[TrajectoryGroup]:

@@ -21,7 +21,7 @@ from .errors import (
     TracerlError,
     TrainingError,
 )
-from .trajectory import TrajectoryGroup, parse_group_lines
+from .trajectory import TrajectoryGroup, group_lines, parse_group_lines
 
 API_PREFIX = "/api/v1"
 NDJSON = "application/x-ndjson"
@@ -64,9 +64,7 @@ def exception_for(status: int, payload: Any) -> TracerlError:
 
 def encode_groups(params: dict[str, Any], groups: Iterable[TrajectoryGroup]) -> bytes:
     """An upload: the parameters line, then one group per line."""
-    lines = [json.dumps(params, allow_nan=False)]
-    lines.extend(g.model_dump_json() for g in groups)
-    return ("\n".join(lines) + "\n").encode()
+    return (json.dumps(params, allow_nan=False) + "\n" + group_lines(groups)).encode()
 
 
 def decode_groups(body: bytes) -> tuple[dict[str, Any], list[TrajectoryGroup]]:
