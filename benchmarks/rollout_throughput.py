@@ -1,13 +1,17 @@
 """Rollout throughput under concurrency: completion tokens/s through the gateway versus the same
 requests sent straight to the vLLM server it fronts (same process tree, model and requests).
 
-Waves of ``--concurrency`` simultaneous chat requests alternate between the two paths
-(``--waves`` of each, after one warm-up wave each); sampling at T=1 with ``ignore_eos`` so every
-request generates exactly ``--max-tokens`` tokens on both paths. Through the gateway every
-request is recorded token-exactly (ids, logprobs) under its own rollout id, as in training.
+For each ``--concurrency`` value, waves of that many simultaneous chat requests alternate between
+the two paths (``--waves`` of each, after one warm-up wave each); sampling at T=1 with
+``ignore_eos`` so every request generates exactly ``--max-tokens`` tokens on both paths. Through
+the gateway every request is recorded token-exactly (ids, logprobs) under its own rollout id, as
+in training. One engine serves all concurrency values.
 
     TRACERL_VLLM_PYTHON=.venv-vllm/bin/python python benchmarks/rollout_throughput.py \
-        --concurrency 16 --max-tokens 32 --waves 3
+        --concurrency 8 --max-tokens 16 --waves 3
+    # on a GPU, a random-initialised model of a real shape (values do not change speed):
+    python benchmarks/rollout_throughput.py --random-init qwen2.5-0.5b --tokenizer TOKDIR \
+        --concurrency 16 64 256 --max-tokens 256
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import platform
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -23,18 +29,22 @@ from pathlib import Path
 import httpx
 
 import tracerl
+from tracerl.backend.engines.vllm_engine import vllm_python
 
 
-async def run(concurrency: int, max_tokens: int, waves: int, base_model: str) -> dict:
+async def measure(concurrencies: list[int], max_tokens: int, waves: int, base_model: str,
+                  vllm_args: list[str]) -> list[dict]:
     backend = tracerl.LocalBackend(path=tempfile.mkdtemp(), engine="vllm")
     model = tracerl.TrainableModel(
         name="bench", project="bench", base_model=base_model,
-        config=tracerl.ModelConfig(engine=tracerl.EngineConfig(max_num_seqs=max(concurrency, 1))))
+        config=tracerl.ModelConfig(engine=tracerl.EngineConfig(
+            max_num_seqs=max(concurrencies), max_model_len=max(512, max_tokens + 128),
+            extra_args=vllm_args)))
     await model.register(backend)
     engine = backend.gateway.models[model.name].engine
     body = {"max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True}
-    limits = httpx.Limits(max_connections=concurrency * 2)
-    direct_tps, gateway_tps = [], []
+    limits = httpx.Limits(max_connections=max(concurrencies) * 2)
+    results = []
     try:
         async with httpx.AsyncClient(timeout=600, limits=limits) as http:
             async def one(i: int, via_gateway: bool) -> int:
@@ -50,35 +60,76 @@ async def run(concurrency: int, max_tokens: int, waves: int, base_model: str) ->
                 r.raise_for_status()
                 return r.json()["usage"]["completion_tokens"]
 
-            async def wave(w: int, via_gateway: bool) -> float:
+            async def wave(first: int, concurrency: int, via_gateway: bool) -> float:
                 start = time.perf_counter()
-                tokens = await asyncio.gather(*(one(w * concurrency + i, via_gateway)
+                tokens = await asyncio.gather(*(one(first + i, via_gateway)
                                                 for i in range(concurrency)))
                 return sum(tokens) / (time.perf_counter() - start)
 
-            await wave(0, False), await wave(0, True)  # warm-up
-            for w in range(1, waves + 1):
-                direct_tps.append(await wave(w, False))
-                gateway_tps.append(await wave(w, True))
-        recorded = len(backend.gateway.calls.take(backend.store(model), f"ro-{concurrency}"))
+            next_id = 0
+            for concurrency in concurrencies:
+                direct, gateway = [], []
+                for w in range(waves + 1):  # wave 0 warms up both paths
+                    d = await wave(next_id, concurrency, False)
+                    g = await wave(next_id, concurrency, True)
+                    if w:
+                        direct.append(d)
+                        gateway.append(g)
+                    next_id += concurrency
+                recorded = len(backend.gateway.calls.take(backend.store(model),
+                                                          f"ro-{next_id - 1}"))
+                d, g = statistics.median(direct), statistics.median(gateway)
+                results.append({
+                    "concurrency": concurrency, "max_tokens": max_tokens, "waves": waves,
+                    "direct_tokens_per_s": d, "gateway_tokens_per_s": g,
+                    "ratio_gateway_over_direct": g / d, "direct_waves": direct,
+                    "gateway_waves": gateway, "calls_recorded_for_one_rollout": recorded})
+                print(json.dumps(results[-1]), flush=True)
     finally:
         await backend.close()
-    d, g = statistics.median(direct_tps), statistics.median(gateway_tps)
-    return {"concurrency": concurrency, "max_tokens": max_tokens, "waves": waves,
-            "direct_tokens_per_s": d, "gateway_tokens_per_s": g, "ratio_gateway_over_direct": g / d,
-            "direct_waves": direct_tps, "gateway_waves": gateway_tps,
-            "calls_recorded_for_one_rollout": recorded}
+    return results
+
+
+def environment() -> dict:
+    """Where the numbers came from: accelerator and vLLM version."""
+    info = {"machine": platform.machine()}
+    try:
+        import torch
+        info["device"] = (torch.cuda.get_device_name(0) if torch.cuda.is_available()
+                          else f"cpu ({torch.get_num_threads()} threads)")
+    except ImportError:
+        pass
+    python = vllm_python()
+    if python:
+        probe = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"],
+                               capture_output=True, text=True, timeout=300)
+        info["vllm"] = probe.stdout.strip().splitlines()[-1] if probe.returncode == 0 else None
+    return info
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[16])
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--waves", type=int, default=3)
     ap.add_argument("--base-model", default="smollm2")
+    ap.add_argument("--random-init", help="a shape from random_models.SHAPES instead of "
+                    "--base-model (vocabulary sized to the tokenizer)")
+    ap.add_argument("--tokenizer", help="tokenizer folder for --random-init (default: SmolLM2's)")
+    ap.add_argument("--vllm-arg", action="append", default=[],
+                    help="extra vLLM server flag, repeatable (e.g. --vllm-arg=--enforce-eager)")
     ap.add_argument("--json")
     args = ap.parse_args()
-    result = asyncio.run(run(args.concurrency, args.max_tokens, args.waves, args.base_model))
+    base_model = args.base_model
+    if args.random_init:
+        from random_models import random_model_dir
+
+        from tracerl.backend.weights import resolve_base_model
+        tokenizer = Path(args.tokenizer) if args.tokenizer else resolve_base_model("smollm2")
+        base_model = str(random_model_dir(args.random_init, tokenizer, vocab="tokenizer"))
+    rows = asyncio.run(measure(args.concurrency, args.max_tokens, args.waves, base_model,
+                               args.vllm_arg))
+    result = {"model": args.random_init or args.base_model, **environment(), "results": rows}
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -18,15 +18,7 @@ import time
 from pathlib import Path
 
 import torch
-
-SHAPES = {  # random-initialised Qwen2.5-shaped models: values do not change speed
-    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936),
-    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936),
-    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064),
-}
+from random_models import SHAPES, random_model_dir
 
 
 def matmul_tflops(device: torch.device, n: int = 8192, repeats: int = 20) -> float:
@@ -46,17 +38,6 @@ def matmul_tflops(device: torch.device, n: int = 8192, repeats: int = 20) -> flo
     if device.type == "cuda":
         torch.cuda.synchronize()
     return 2 * n**3 * repeats / (time.perf_counter() - t) / 1e12
-
-
-def random_model_dir(shape: str, tokenizer_from: Path) -> Path:
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
-    out = Path(tempfile.mkdtemp(prefix=f"tracerl-{shape}-"))
-    cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=False)
-    model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(out)
-    return out
 
 
 def main() -> None:

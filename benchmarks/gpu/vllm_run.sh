@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# On the GPU machine, device call 2 of the vLLM kit (carry [".vllm2"]; call 1 copied
+# .vllm1/part00 to /tmp/vk): install vLLM and its imports into /tmp/site, then run
+# benchmarks/rollout_throughput.py (gateway vs vLLM alone) on random-initialised models.
+#   bash benchmarks/gpu/vllm_run.sh
+set -euo pipefail
+test -f /tmp/vk/part00 || { echo "call 1 did not run on this machine (cold start?)"; exit 3; }
+mkdir -p /tmp/site
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .vllm2/*.whl
+cat /tmp/vk/part00 .vllm2/part01 | python3 -c \
+  "import sys, tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/site', filter='fully_trusted')"
+# vLLM runs in its own process; tracerl's engine drops PYTHONPATH for it, so point
+# TRACERL_VLLM_PYTHON at an interpreter that brings /tmp/site along.
+printf '#!/bin/sh\nexport PYTHONPATH=/tmp/site\nexec python3 "$@"\n' > /tmp/vllm-python
+chmod +x /tmp/vllm-python
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
+  TRACERL_VLLM_PYTHON=/tmp/vllm-python TRACERL_CACHE=/tmp/cache
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+/tmp/vllm-python -c "import vllm, torch; print('vllm', vllm.__version__, torch.cuda.get_device_name(0))"
+run_rollouts() {  # SHAPE:C1,C2...
+  local shape=${1%%:*} conc=${1##*:}
+  timeout 240 python3 benchmarks/rollout_throughput.py --random-init "$shape" --tokenizer .vllm2/tok \
+    --concurrency ${conc//,/ } --max-tokens 256 --waves 3 --json "$OUT/rollout-$shape.json" \
+    > "$OUT/rollout-$shape.log" 2>&1 || { echo "FAILED $shape"; tail -40 "$OUT/rollout-$shape.log"; }
+  grep -E '^\{"concurrency"' "$OUT/rollout-$shape.log" || true
+}
+run_rollouts smollm2-135m:16,64,256
+# the whole loop: rollouts, a GRPO step with vLLM asleep, the adapter hot-loaded
+timeout 180 python3 benchmarks/gpu/vllm_loop.py --tokenizer .vllm2/tok --steps 2 \
+  --json "$OUT/vllm-loop.json" > "$OUT/vllm-loop.log" 2>&1 || echo "FAILED loop"
+grep -E '^\{"(step|served)' "$OUT/vllm-loop.log" || tail -30 "$OUT/vllm-loop.log"
+run_rollouts qwen2.5-0.5b:64,256
+cp /tmp/tracerl-vllm-*.log "$OUT/" 2>/dev/null || true
