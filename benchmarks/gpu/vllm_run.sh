@@ -17,7 +17,7 @@ chmod +x /tmp/vllm-python
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
   TRACERL_VLLM_PYTHON=/tmp/vllm-python TRACERL_CACHE=/tmp/cache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-/tmp/vllm-python -c "import vllm, torch; print('vllm', vllm.__version__, torch.cuda.get_device_name(0))"
+/tmp/vllm-python -c "import vllm, torch, vllm.entrypoints.openai.api_server; print('vllm', vllm.__version__, torch.cuda.get_device_name(0))" || true
 run_rollouts() {  # SHAPE:C1,C2...
   local shape=${1%%:*} conc=${1##*:}
   timeout 240 python3 benchmarks/rollout_throughput.py --random-init "$shape" --tokenizer .vllm2/tok \
