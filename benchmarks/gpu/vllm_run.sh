@@ -12,7 +12,7 @@ cat /tmp/vk/part00 .vllm2/part01 | python3 -c \
   "import sys, tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/site', filter='fully_trusted')"
 # vLLM runs in its own process; tracerl's engine drops PYTHONPATH for it, so point
 # TRACERL_VLLM_PYTHON at an interpreter that brings /tmp/site along.
-printf '#!/bin/sh\nexport PYTHONPATH=/tmp/site\nexec python3 "$@"\n' > /tmp/vllm-python
+printf '#!/bin/sh\nexport PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0\nexec python3 "$@"\n' > /tmp/vllm-python
 chmod +x /tmp/vllm-python
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
   TRACERL_VLLM_PYTHON=/tmp/vllm-python TRACERL_CACHE=/tmp/cache
