@@ -22,6 +22,7 @@ import json
 import platform
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -40,7 +41,9 @@ async def measure(concurrencies: list[int], max_tokens: int, waves: int, base_mo
         config=tracerl.ModelConfig(engine=tracerl.EngineConfig(
             max_num_seqs=max(concurrencies), max_model_len=max(512, max_tokens + 128),
             extra_args=vllm_args)))
+    started = time.perf_counter()
     await model.register(backend)
+    print(f"engine up in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     engine = backend.gateway.models[model.name].engine
     body = {"max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True}
     limits = httpx.Limits(max_connections=max(concurrencies) * 2)

@@ -114,3 +114,30 @@ async def test_sleep_mode_is_refused_clearly_on_cpu(smollm2_path):
                       config=tracerl.EngineConfig(sleep_during_training=True))
     with pytest.raises(tracerl.EngineError, match="needs vLLM on CUDA"):
         await VLLMEngine(spec).start()
+
+
+async def test_gateway_lets_more_than_100_requests_reach_vllm_at_once(vllm_backend):
+    """httpx pools 100 connections by default; the gateway must not cap rollouts there."""
+    backend, model = vllm_backend
+    engine = backend.gateway.models[model.name].engine
+    n, peak, done = 140, 0.0, asyncio.Event()
+
+    async def watch_vllm_queue() -> None:  # running + waiting, from vLLM's own metrics
+        nonlocal peak
+        async with httpx.AsyncClient(base_url=engine.base_url) as http:
+            while not done.is_set():
+                lines = (await http.get("/metrics")).text.splitlines()
+                peak = max(peak, sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(
+                    ("vllm:num_requests_running{", "vllm:num_requests_waiting{"))))
+                await asyncio.sleep(0.02)
+
+    watcher = asyncio.create_task(watch_vllm_queue())
+    client = model.openai_client()
+    with tracerl.rollout_scope() as ro:
+        answers = await asyncio.gather(*(client.chat.completions.create(
+            model=model.name, messages=MSGS, max_tokens=1, temperature=0.0) for _ in range(n)))
+    done.set()
+    await watcher
+    assert len(answers) == n
+    assert peak > 100, f"at most {peak:.0f} requests were in vLLM at once"
+    assert len(await model.fetch_calls(ro.rollout_id)) == n  # every call recorded

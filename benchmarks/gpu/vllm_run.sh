@@ -2,7 +2,7 @@
 # On the GPU machine, device call 2 of the vLLM kit (carry [".vllm2"]; call 1 copied
 # .vllm1/part00 to /tmp/vk): install vLLM and its imports into /tmp/site, then run
 # benchmarks/rollout_throughput.py (gateway vs vLLM alone) on random-initialised models.
-#   bash benchmarks/gpu/vllm_run.sh
+#   bash benchmarks/gpu/vllm_run.sh [smollm2-135m:16,64,256 loop qwen2.5-0.5b:64,256]
 set -euo pipefail
 test -f /tmp/vk/part00 || { echo "call 1 did not run on this machine (cold start?)"; exit 3; }
 mkdir -p /tmp/site
@@ -20,15 +20,19 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 /tmp/vllm-python -c "import vllm, torch, vllm.entrypoints.openai.api_server; print('vllm', vllm.__version__, torch.cuda.get_device_name(0))" || true
 run_rollouts() {  # SHAPE:C1,C2...
   local shape=${1%%:*} conc=${1##*:}
-  timeout 240 python3 benchmarks/rollout_throughput.py --random-init "$shape" --tokenizer .vllm2/tok \
+  timeout 280 python3 benchmarks/rollout_throughput.py --random-init "$shape" --tokenizer .vllm2/tok \
     --concurrency ${conc//,/ } --max-tokens 256 --waves 3 --json "$OUT/rollout-$shape.json" \
     > "$OUT/rollout-$shape.log" 2>&1 || { echo "FAILED $shape"; tail -40 "$OUT/rollout-$shape.log"; }
   grep -E '^\{"concurrency"' "$OUT/rollout-$shape.log" || true
 }
-run_rollouts smollm2-135m:16,64,256
-# the whole loop: rollouts, a GRPO step with vLLM asleep, the adapter hot-loaded
-timeout 180 python3 benchmarks/gpu/vllm_loop.py --tokenizer .vllm2/tok --steps 2 \
-  --json "$OUT/vllm-loop.json" > "$OUT/vllm-loop.log" 2>&1 || echo "FAILED loop"
-grep -E '^\{"(step|served)' "$OUT/vllm-loop.log" || tail -30 "$OUT/vllm-loop.log"
-run_rollouts qwen2.5-0.5b:64,256
+loop_check() {  # the whole loop: rollouts, a GRPO step with vLLM asleep, the adapter hot-loaded
+  timeout 180 python3 benchmarks/gpu/vllm_loop.py --tokenizer .vllm2/tok --steps 2 \
+    --json "$OUT/vllm-loop.json" > "$OUT/vllm-loop.log" 2>&1 || echo "FAILED loop"
+  grep -E '^\{"(step|served)' "$OUT/vllm-loop.log" || tail -30 "$OUT/vllm-loop.log"
+}
+# each vLLM start on the H200 takes ~100 s (compile, CUDA graphs); a call has 600 s
+for job in ${@:-smollm2-135m:16,64,256 loop qwen2.5-0.5b:64,256}; do
+  echo "$(date +%T) $job"
+  if [ "$job" = loop ]; then loop_check; else run_rollouts "$job"; fi
+done
 cp /tmp/tracerl-vllm-*.log "$OUT/" 2>/dev/null || true

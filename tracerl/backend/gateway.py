@@ -284,11 +284,11 @@ class Gateway:
         finally:
             await served.swap.release_read()
         response["model"] = body["model"]
-        self._record(served, endpoint, body, response, who, step,
+        await self._record(served, endpoint, body, response, who, step,
                      time.perf_counter() - started, streamed=False)
         return JSONResponse(strip_for_caller(endpoint, body, response))
 
-    def _record(self, served: ServedModel, endpoint: str, body: dict[str, Any],
+    async def _record(self, served: ServedModel, endpoint: str, body: dict[str, Any],
                 response: dict[str, Any] | None, who: Attribution, step: int | None,
                 latency: float, streamed: bool, error: str | None = None) -> None:
         call = build_call(endpoint=endpoint, caller_body=body, response=response, rollout_id=who.rollout_id,
@@ -296,8 +296,18 @@ class Gateway:
                           streamed=streamed, error=error)
         if who.tags:
             call.metadata["tags"] = who.tags
-        self.calls.add(served.store, call)
-        get_plugin_manager().hook.tracerl_on_llm_call(call=call)
+        # Serialising and fsyncing a record takes milliseconds: done in a worker thread, so that
+        # hundreds of concurrent calls do not queue behind each other's disk writes. The caller
+        # gets its answer only once the record is on disk; the write and the plugin hook happen
+        # even if this request is cancelled meanwhile (a client that went away).
+        written = asyncio.ensure_future(asyncio.to_thread(self.calls.add, served.store, call))
+
+        def notify(done: asyncio.Future) -> None:
+            if not done.cancelled() and done.exception() is None:
+                get_plugin_manager().hook.tracerl_on_llm_call(call=call)
+
+        written.add_done_callback(notify)
+        await asyncio.shield(written)
 
     async def _stream(self, served: ServedModel, engine_body: dict[str, Any], body: dict[str, Any],
                       who: Attribution, step: int | None, timeout: float) -> Any:
@@ -338,7 +348,7 @@ class Gateway:
                 yield b"data: " + json.dumps(payload).encode() + b"\n\n"
             finally:
                 await served.swap.release_read()
-                self._record(served, "chat.completions", body, assembler.response(), who, step,
+                await self._record(served, "chat.completions", body, assembler.response(), who, step,
                              time.perf_counter() - started, streamed=True, error=error)
 
         return StreamingResponse(events(), media_type="text/event-stream")

@@ -152,15 +152,25 @@ def build_call(*, endpoint: str, caller_body: dict[str, Any], response: dict[str
 
 
 class CallStore:
-    """Recorded calls per rollout: in memory until fetched, and appended to disk as they come."""
+    """Recorded calls per rollout: in memory until fetched, and appended to disk as they come.
+
+    ``add`` is thread-safe: the gateway calls it from worker threads so that serialising and
+    fsyncing records never blocks its event loop; appends to one rollout's file are serialised.
+    """
+
+    _FILE_LOCKS = 64
 
     def __init__(self) -> None:
         self._calls: dict[tuple[str, str], list[LLMCall]] = defaultdict(list)
         self._lock = threading.Lock()
+        self._file_locks = [threading.Lock() for _ in range(self._FILE_LOCKS)]
 
     def add(self, store: ModelStore, call: LLMCall) -> None:
         rid = call.rollout_id or UNATTRIBUTED
-        append_jsonl(store.calls_path(rid), call.model_dump(mode="json"))
+        path = store.calls_path(rid)
+        record = call.model_dump(mode="json")
+        with self._file_locks[hash(str(path)) % self._FILE_LOCKS]:
+            append_jsonl(path, record)
         if call.rollout_id is not None:
             with self._lock:
                 self._calls[(store.name, rid)].append(call)

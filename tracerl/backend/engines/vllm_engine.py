@@ -126,8 +126,14 @@ class VLLMEngine(Engine):
         env.pop("PYTHONPATH", None)  # the vLLM venv brings its own packages
         self.process = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
                                         env=env, start_new_session=True)
-        self.client = httpx.AsyncClient(base_url=self.base_url,
-                                        timeout=httpx.Timeout(self.spec.config.request_timeout_s, connect=5))
+        # httpx pools 100 connections by default, which would silently cap the gateway at 100
+        # requests in flight: vLLM queues requests itself, so let every rollout through.
+        in_flight = max(1024, 8 * self.spec.config.max_num_seqs)
+        self.client = httpx.AsyncClient(
+            base_url=self.base_url,
+            timeout=httpx.Timeout(self.spec.config.request_timeout_s, connect=5),
+            limits=httpx.Limits(max_connections=in_flight,
+                                max_keepalive_connections=max(64, self.spec.config.max_num_seqs)))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + STARTUP_TIMEOUT_S
         while True:
