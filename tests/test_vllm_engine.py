@@ -116,6 +116,24 @@ async def test_sleep_mode_is_refused_clearly_on_cpu(smollm2_path):
         await VLLMEngine(spec).start()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU default")
+def test_sleep_mode_defaults_to_the_device_and_memory_share_is_passed(smollm2_path):
+    from tracerl.backend.engines.base import EngineSpec
+
+    def engine(**config):
+        return VLLMEngine(EngineSpec(model_path=smollm2_path, served_name="x",
+                                     lora=tracerl.LoraConfig(), config=tracerl.EngineConfig(**config)))
+
+    default = engine()
+    assert default.sleeps is False  # CPU: vLLM has no sleep mode; on CUDA the default is on
+    assert "--enable-sleep-mode" not in default.command()
+    assert "--gpu-memory-utilization" not in default.command()
+    cmd = engine(gpu_memory_utilization=0.45).command()
+    assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.45"
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        tracerl.EngineConfig(gpu_memory_utilization=1.5)
+
+
 async def test_gateway_lets_more_than_100_requests_reach_vllm_at_once(vllm_backend):
     """httpx pools 100 connections by default; the gateway must not cap rollouts there."""
     backend, model = vllm_backend

@@ -66,9 +66,7 @@ async def main(tokenizer: Path, steps: int) -> dict:
     path = random_model_dir("smollm2-135m", tokenizer, vocab="tokenizer")
     backend = tracerl.LocalBackend(path="/tmp/tracerl-vllm-loop", engine="vllm")
     model = tracerl.TrainableModel(
-        name=f"loop-{int(time.time())}", project="gpu", base_model=str(path),
-        config=tracerl.ModelConfig(engine=tracerl.EngineConfig(
-            sleep_during_training=torch.cuda.is_available())))
+        name=f"loop-{int(time.time())}", project="gpu", base_model=str(path))  # sleeps on CUDA
     started = time.perf_counter()
     await model.register(backend)
     rows = [{"register_s": time.perf_counter() - started}]

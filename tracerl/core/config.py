@@ -64,8 +64,12 @@ class EngineConfig(_Strict):
         "without tool support) or a path to a Jinja file; used for serving and training alike")
     request_timeout_s: float = Field(300.0, gt=0)
     extra_args: list[str] = Field(default_factory=list, description="extra vLLM server flags")
-    sleep_during_training: bool = Field(
-        False, description="vLLM on CUDA: free the engine's GPU memory while a training step runs")
+    sleep_during_training: bool | None = Field(
+        None, description="free vLLM's GPU memory while a training step runs (weights offloaded to "
+        "CPU memory, KV cache dropped), so the trainer can use the same GPU; None: on when vLLM "
+        "runs on CUDA, off on CPU (vLLM has no sleep mode there)")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="the share of GPU memory vLLM may take (vLLM's default: 0.9)")
 
 
 class ModelConfig(_Strict):

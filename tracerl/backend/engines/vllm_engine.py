@@ -73,6 +73,8 @@ class VLLMEngine(Engine):
         self._adapters: dict[str, Path] = {}
         self._ready = False  # healthy and every adapter re-loaded
         self._log = tempfile.NamedTemporaryFile(prefix="tracerl-vllm-", suffix=".log", delete=False)
+        sleep = spec.config.sleep_during_training
+        self.sleeps = _cuda_visible() if sleep is None else sleep
 
     @classmethod
     def available(cls) -> bool:
@@ -97,8 +99,10 @@ class VLLMEngine(Engine):
             "--enable-lora", "--max-lora-rank", str(_lora_rank_slot(lora.r)), "--max-loras", "2",
             "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log",
         ]
-        if cfg.sleep_during_training:
+        if self.sleeps:
             cmd += ["--enable-sleep-mode"]
+        if cfg.gpu_memory_utilization is not None:
+            cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
         if cfg.chat_template:
             cmd += ["--chat-template", str(chat_template_path(cfg.chat_template))]
         if cfg.tool_call_parser:
@@ -113,14 +117,14 @@ class VLLMEngine(Engine):
 
     async def start(self) -> None:
         self._ready = False
-        if self.spec.config.sleep_during_training and not _cuda_visible():
+        if self.sleeps and not _cuda_visible():
             raise EngineError("sleep_during_training needs vLLM on CUDA; vLLM's sleep mode does "
                               "not exist on CPU")
         self.port = _free_port()
         env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
                "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1",
                "VLLM_CONFIGURE_LOGGING": "1"}
-        if self.spec.config.sleep_during_training:
+        if self.sleeps:
             env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes /sleep and /wake_up (loopback only)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.pop("PYTHONPATH", None)  # the vLLM venv brings its own packages
@@ -184,14 +188,14 @@ class VLLMEngine(Engine):
         self._adapters[lora_name] = Path(path)
 
     async def sleep(self) -> None:
-        if self.spec.config.sleep_during_training:
+        if self.sleeps:
             self._ready = False
             r = await self._post("/sleep?level=1", {})
             if r.status_code != 200:
                 raise EngineError(f"vLLM refused to sleep: {r.text}")
 
     async def wake_up(self) -> None:
-        if self.spec.config.sleep_during_training:
+        if self.sleeps:
             r = await self._post("/wake_up", {})
             if r.status_code != 200:
                 raise EngineError(f"vLLM did not wake up: {r.text}")
