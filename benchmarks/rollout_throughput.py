@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 
 import tracerl
-from tracerl.backend.engines.vllm_engine import vllm_python
+from tracerl.backend.engines.vllm_engine import engine_connection_limits, vllm_python
 
 
 async def measure(concurrencies: list[int], max_tokens: int, waves: int, base_model: str,
@@ -46,7 +46,7 @@ async def measure(concurrencies: list[int], max_tokens: int, waves: int, base_mo
     print(f"engine up in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     engine = backend.gateway.models[model.name].engine
     body = {"max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True}
-    limits = httpx.Limits(max_connections=max(concurrencies) * 2)
+    limits = engine_connection_limits(max(concurrencies))  # the gateway's own pool settings
     results = []
     try:
         async with httpx.AsyncClient(timeout=600, limits=limits) as http:

@@ -30,6 +30,7 @@ loop_check() {  # the whole loop: rollouts, a GRPO step with vLLM asleep, the ad
     --json "$OUT/vllm-loop.json" > "$OUT/vllm-loop.log" 2>&1 || echo "FAILED loop"
   grep -E '^\{"(step|served)' "$OUT/vllm-loop.log" || tail -30 "$OUT/vllm-loop.log"
 }
+python3 benchmarks/call_record_write.py | tee "$OUT/call_record_write.json"  # the disk's fsync cost
 # each vLLM start on the H200 takes ~100 s (compile, CUDA graphs); a call has 600 s
 for job in ${@:-smollm2-135m:16,64,256 loop qwen2.5-0.5b:64,256}; do
   echo "$(date +%T) $job"
