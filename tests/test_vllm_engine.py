@@ -159,3 +159,30 @@ async def test_gateway_lets_more_than_100_requests_reach_vllm_at_once(vllm_backe
     assert len(answers) == n
     assert peak > 100, f"at most {peak:.0f} requests were in vLLM at once"
     assert len(await model.fetch_calls(ro.rollout_id)) == n  # every call recorded
+
+
+async def test_a_stalled_vllm_is_waited_for_not_restarted(tmp_path):
+    """A busy or stalled engine is not a dead one: no cold restart within the grace period."""
+    backend = tracerl.LocalBackend(path=tmp_path, engine="vllm")
+    model = tracerl.TrainableModel(
+        name="stall", project="tests", base_model="smollm2",
+        config=tracerl.ModelConfig(engine=tracerl.EngineConfig(
+            dtype="float32", max_model_len=512, max_num_seqs=4, request_timeout_s=2)))
+    await model.register(backend)
+    body = {"model": model.name, "messages": MSGS, "max_tokens": 2}
+    try:
+        engine = backend.gateway.models[model.name].engine
+        pid = engine.process.pid
+        async with httpx.AsyncClient(base_url=model.inference_base_url, timeout=60) as http:
+            os.killpg(pid, signal.SIGSTOP)  # API server and engine core frozen, process alive
+            try:
+                r = await http.post("/chat/completions", json=body)
+                assert r.status_code == 504, r.text
+                await asyncio.sleep(8)  # health checks fail meanwhile
+            finally:
+                os.killpg(pid, signal.SIGCONT)
+            r = await http.post("/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+        assert engine.process.pid == pid and engine.alive()
+    finally:
+        await backend.close()

@@ -133,8 +133,9 @@ class ServedModel:
 class Gateway:
     """The gateway's state: routes, records and engine supervision."""
 
-    def __init__(self, api_key: str | None = None) -> None:
+    def __init__(self, api_key: str | None = None, restart_grace_s: float = 30.0) -> None:
         self.api_key = api_key
+        self.restart_grace_s = restart_grace_s
         self.models: dict[str, ServedModel] = {}
         self.calls = CallStore()
         self._restarts: dict[int, asyncio.Task] = {}
@@ -175,8 +176,16 @@ class Gateway:
             return
 
         async def restart() -> None:
-            if not await engine.healthy():
-                await engine.restart()
+            # A busy or briefly stalled engine is not a dead one: restarting a working vLLM costs
+            # a cold start (~100 s on a GPU) and fails every call in flight. Restart at once only
+            # if its process is gone; otherwise only after restart_grace_s of failed checks.
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.restart_grace_s
+            while not await engine.healthy():
+                if not engine.alive() or loop.time() >= deadline:
+                    await engine.restart()
+                    return
+                await asyncio.sleep(1.0)
 
         self._restarts[id(engine)] = asyncio.create_task(restart())
 

@@ -80,7 +80,11 @@ class Engine(ABC):
 
     @abstractmethod
     async def healthy(self) -> bool:
-        """Whether the engine answers; False triggers a restart."""
+        """Whether the engine answers now (a busy engine may not, for a while)."""
+
+    def alive(self) -> bool:
+        """Whether the engine still exists at all (False: restart at once)."""
+        return True
 
     async def restart(self) -> None:
         """Stop and start again, re-loading adapters (default: stop, then start)."""

@@ -179,8 +179,11 @@ class VLLMEngine(Engine):
                     os.killpg(proc.pid, 9)
                 await asyncio.to_thread(proc.wait)
 
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
     async def healthy(self) -> bool:
-        if self.process is None or self.process.poll() is not None or self.client is None:
+        if not self.alive() or self.client is None:
             return False
         try:
             r = await self.client.get("/health", timeout=5)
@@ -216,6 +219,8 @@ class VLLMEngine(Engine):
             return await self.client.post(path, json=body)
         except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as e:
             raise EngineUnavailableError(f"the vLLM server did not answer: {e}") from e
+        except httpx.TimeoutException as e:  # the gateway answers 504, as for its own deadline
+            raise TimeoutError(f"the vLLM server did not answer in time: {e!r}") from e
 
     @staticmethod
     def _raise_for(r: httpx.Response) -> None:
@@ -265,6 +270,8 @@ class VLLMEngine(Engine):
                     yield json.loads(data)
         except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as e:
             raise EngineUnavailableError(f"the vLLM server did not answer: {e}") from e
+        except httpx.TimeoutException as e:
+            raise TimeoutError(f"the vLLM server did not answer in time: {e!r}") from e
 
 
 @hookimpl
