@@ -142,7 +142,7 @@ async def test_gateway_lets_more_than_100_requests_reach_vllm_at_once(vllm_backe
 
     async def watch_vllm_queue() -> None:  # running + waiting, from vLLM's own metrics
         nonlocal peak
-        async with httpx.AsyncClient(base_url=engine.base_url) as http:
+        async with httpx.AsyncClient(base_url=engine.base_url, timeout=60) as http:
             while not done.is_set():
                 lines = (await http.get("/metrics")).text.splitlines()
                 peak = max(peak, sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(
