@@ -294,12 +294,12 @@ class Gateway:
             await served.swap.release_read()
         response["model"] = body["model"]
         await self._record(served, endpoint, body, response, who, step,
-                     time.perf_counter() - started, streamed=False)
+                           time.perf_counter() - started, streamed=False)
         return JSONResponse(strip_for_caller(endpoint, body, response))
 
     async def _record(self, served: ServedModel, endpoint: str, body: dict[str, Any],
-                response: dict[str, Any] | None, who: Attribution, step: int | None,
-                latency: float, streamed: bool, error: str | None = None) -> None:
+                      response: dict[str, Any] | None, who: Attribution, step: int | None,
+                      latency: float, streamed: bool, error: str | None = None) -> None:
         call = build_call(endpoint=endpoint, caller_body=body, response=response, rollout_id=who.rollout_id,
                           model=body.get("model", ""), adapter_step=step, latency_s=latency,
                           streamed=streamed, error=error)
@@ -357,7 +357,7 @@ class Gateway:
                 yield b"data: " + json.dumps(payload).encode() + b"\n\n"
             finally:
                 await served.swap.release_read()
-                await self._record(served, "chat.completions", body, assembler.response(), who, step,
-                             time.perf_counter() - started, streamed=True, error=error)
+                await self._record(served, "chat.completions", body, assembler.response(), who,
+                                   step, time.perf_counter() - started, streamed=True, error=error)
 
         return StreamingResponse(events(), media_type="text/event-stream")

@@ -144,7 +144,7 @@ def build_call(*, endpoint: str, caller_body: dict[str, Any], response: dict[str
     request = {k: v for k, v in caller_body.items() if k not in ("stream_options",)}
     # Stored: the response as the caller saw it, plus token ids. Per-token logprobs the caller
     # did not ask for live in `completions` only: duplicating them made each record 4x larger
-    # and 4-6x slower to write (benchmarks/call_record_write.py).
+    # and 3.7x slower to write (benchmarks/call_record_write.py).
     if response is not None:
         response = strip_for_caller(endpoint, {**caller_body, "return_token_ids": True}, response)
     return LLMCall(
