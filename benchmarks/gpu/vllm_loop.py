@@ -1,11 +1,13 @@
 """The whole loop on one GPU with vLLM: rollouts through the gateway, a GRPO step, the LoRA
 adapter hot-loaded into vLLM, and vLLM's sleep mode freeing its memory while the step trains.
 
-Random-initialised SmolLM2-135M (values do not matter here); reward = shorter answers. Prints,
+A random-initialised model (SmolLM2-135M by default; values do not matter here); reward =
+shorter answers. With ``--shape qwen2.5-7b`` it checks that vLLM and the trainer's copy of the
+weights share one GPU (``--gpu-memory-utilization`` leaves the trainer its room). Prints,
 per step: rollout and training seconds, the adapter step the next rollouts were served with,
 and the GPU memory in use (all processes) while vLLM is awake versus during the training step.
 
-    python benchmarks/gpu/vllm_loop.py --tokenizer TOKDIR [--steps 2] [--json OUT]
+    python benchmarks/gpu/vllm_loop.py --tokenizer TOKDIR [--steps 2] [--shape S] [--json OUT]
 """
 
 from __future__ import annotations
@@ -62,11 +64,12 @@ async def rollout(model: tracerl.TrainableModel, i: int) -> tracerl.Trajectory:
     return tracerl.Trajectory(messages_and_choices=[response.choices[0]], reward=-len(text) / 100)
 
 
-async def main(tokenizer: Path, steps: int) -> dict:
-    path = random_model_dir("smollm2-135m", tokenizer, vocab="tokenizer")
+async def main(tokenizer: Path, steps: int, shape: str, vllm_share: float | None) -> dict:
+    path = random_model_dir(shape, tokenizer, vocab="tokenizer")
     backend = tracerl.LocalBackend(path="/tmp/tracerl-vllm-loop", engine="vllm")
     model = tracerl.TrainableModel(
-        name=f"loop-{int(time.time())}", project="gpu", base_model=str(path))  # sleeps on CUDA
+        name=f"loop-{int(time.time())}", project="gpu", base_model=str(path),  # sleeps on CUDA
+        config=tracerl.ModelConfig(engine=tracerl.EngineConfig(gpu_memory_utilization=vllm_share)))
     started = time.perf_counter()
     await model.register(backend)
     rows = [{"register_s": time.perf_counter() - started}]
@@ -94,16 +97,19 @@ async def main(tokenizer: Path, steps: int) -> dict:
     finally:
         await backend.close()
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    return {"device": device, "rows": rows}
+    return {"device": device, "shape": shape, "rows": rows}
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--shape", default="smollm2-135m", help="a shape of random_models.SHAPES")
+    ap.add_argument("--gpu-memory-utilization", type=float,
+                    help="vLLM's share of the GPU (default: vLLM's 0.9)")
     ap.add_argument("--json")
     args = ap.parse_args()
-    result = asyncio.run(main(args.tokenizer, args.steps))
+    result = asyncio.run(main(args.tokenizer, args.steps, args.shape, args.gpu_memory_utilization))
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

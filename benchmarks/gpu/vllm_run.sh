@@ -2,7 +2,7 @@
 # On the GPU machine, device call 2 of the vLLM kit (carry [".vllm2"]; call 1 copied
 # .vllm1/part00 to /tmp/vk): install vLLM and its imports into /tmp/site, then run
 # benchmarks/rollout_throughput.py (gateway vs vLLM alone) on random-initialised models.
-#   bash benchmarks/gpu/vllm_run.sh [smollm2-135m:16,64,256 loop qwen2.5-0.5b:64,256]
+#   bash benchmarks/gpu/vllm_run.sh [smollm2-135m:16,64,256 qwen2.5-0.5b:64,256 loop]
 set -euo pipefail
 test -f /tmp/vk/part00 || { echo "call 1 did not run on this machine (cold start?)"; exit 3; }
 mkdir -p /tmp/site
@@ -32,7 +32,7 @@ loop_check() {  # the whole loop: rollouts, a GRPO step with vLLM asleep, the ad
 }
 python3 benchmarks/call_record_write.py | tee "$OUT/call_record_write.json"  # the disk's fsync cost
 # each vLLM start on the H200 takes ~100 s (compile, CUDA graphs); a call has 600 s
-for job in ${@:-smollm2-135m:16,64,256 loop qwen2.5-0.5b:64,256}; do
+for job in ${@:-smollm2-135m:16,64,256 qwen2.5-0.5b:64,256}; do
   echo "$(date +%T) $job"
   if [ "$job" = loop ]; then loop_check; else run_rollouts "$job"; fi
 done
