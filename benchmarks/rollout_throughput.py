@@ -31,6 +31,7 @@ import httpx
 
 import tracerl
 from tracerl.backend.engines.vllm_engine import engine_connection_limits, vllm_python
+from tracerl.backend.recorder import inject_training_fields
 
 
 async def measure(concurrencies: list[int], max_tokens: int, waves: int, base_model: str,
@@ -57,9 +58,10 @@ async def measure(concurrencies: list[int], max_tokens: int, waves: int, base_mo
                                         headers={"x-rollout-id": f"ro-{i}"},
                                         json={**body, "messages": messages, "model": model.name})
                 else:  # what the gateway asks of the engine, minus the gateway
-                    r = await http.post(f"{engine.base_url}/v1/chat/completions", json={
-                        **body, "messages": messages, "model": engine.spec.served_name,
-                        "logprobs": True, "top_logprobs": 0, "return_token_ids": True})
+                    r = await http.post(f"{engine.base_url}/v1/chat/completions",
+                                        json=inject_training_fields("chat.completions", {
+                                            **body, "messages": messages,
+                                            "model": engine.spec.served_name}))
                 r.raise_for_status()
                 return r.json()["usage"]["completion_tokens"]
 

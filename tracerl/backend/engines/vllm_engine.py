@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,18 @@ def engine_connection_limits(max_num_seqs: int) -> httpx.Limits:
     """
     return httpx.Limits(max_connections=max(1024, 8 * max_num_seqs),
                         max_keepalive_connections=max(64, max_num_seqs), keepalive_expiry=2.0)
+
+
+@contextlib.contextmanager
+def _transport_errors() -> Iterator[None]:
+    """httpx failures as the gateway's terms: unreachable -> EngineUnavailableError (503 and a
+    restart check), too slow -> TimeoutError (504, as for the gateway's own deadline)."""
+    try:
+        yield
+    except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as e:
+        raise EngineUnavailableError(f"the vLLM server did not answer: {e}") from e
+    except httpx.TimeoutException as e:
+        raise TimeoutError(f"the vLLM server did not answer in time: {e!r}") from e
 
 
 def _free_port() -> int:
@@ -213,14 +225,10 @@ class VLLMEngine(Engine):
             self._ready = True
 
     async def _post(self, path: str, body: dict[str, Any]) -> httpx.Response:
-        if self.client is None or self.process is None or self.process.poll() is not None:
+        if self.client is None or not self.alive():
             raise EngineUnavailableError("the vLLM server is not running")
-        try:
+        with _transport_errors():
             return await self.client.post(path, json=body)
-        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as e:
-            raise EngineUnavailableError(f"the vLLM server did not answer: {e}") from e
-        except httpx.TimeoutException as e:  # the gateway answers 504, as for its own deadline
-            raise TimeoutError(f"the vLLM server did not answer in time: {e!r}") from e
 
     @staticmethod
     def _raise_for(r: httpx.Response) -> None:
@@ -256,7 +264,7 @@ class VLLMEngine(Engine):
         self._check_ready()
         if self.client is None:
             raise EngineUnavailableError("the vLLM server is not running")
-        try:
+        with _transport_errors():
             async with self.client.stream("POST", "/v1/chat/completions", json=body) as r:
                 if r.status_code >= 400:
                     await r.aread()
@@ -268,10 +276,6 @@ class VLLMEngine(Engine):
                     if data == "[DONE]":
                         return
                     yield json.loads(data)
-        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as e:
-            raise EngineUnavailableError(f"the vLLM server did not answer: {e}") from e
-        except httpx.TimeoutException as e:
-            raise TimeoutError(f"the vLLM server did not answer in time: {e!r}") from e
 
 
 @hookimpl
