@@ -51,6 +51,14 @@ def random_model_dir(shape: str, tokenizer_from: Path,
     config = config_cls(**params, max_position_embeddings=4096,
                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     out = Path(tempfile.mkdtemp(prefix=f"tracerl-{shape}-"))
-    model_cls(config).to(torch.bfloat16).save_pretrained(out)
+    # initialised directly in bf16, on the GPU when there is one: a 7B shape in fp32 on CPU
+    # takes minutes and 30 GB; values do not matter for speed or memory
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = model_cls._from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
     tokenizer.save_pretrained(out)
     return out

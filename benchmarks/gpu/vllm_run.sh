@@ -2,7 +2,7 @@
 # On the GPU machine, device call 2 of the vLLM kit (carry [".vllm2"]; call 1 copied
 # .vllm1/part00 to /tmp/vk): install vLLM and its imports into /tmp/site, then run
 # benchmarks/rollout_throughput.py (gateway vs vLLM alone) on random-initialised models.
-#   bash benchmarks/gpu/vllm_run.sh [smollm2-135m:16,64,256 qwen2.5-0.5b:64,256 loop]
+#   bash benchmarks/gpu/vllm_run.sh [smollm2-135m:16,64,256 qwen2.5-0.5b:64,256 loop loop-7b]
 set -euo pipefail
 test -f /tmp/vk/part00 || { echo "call 1 did not run on this machine (cold start?)"; exit 3; }
 mkdir -p /tmp/site
@@ -26,14 +26,21 @@ run_rollouts() {  # SHAPE:C1,C2...
   grep -E '^\{"concurrency"' "$OUT/rollout-$shape.log" || true
 }
 loop_check() {  # the whole loop: rollouts, a GRPO step with vLLM asleep, the adapter hot-loaded
-  timeout 180 python3 benchmarks/gpu/vllm_loop.py --tokenizer .vllm2/tok --steps 2 \
-    --json "$OUT/vllm-loop.json" > "$OUT/vllm-loop.log" 2>&1 || echo "FAILED loop"
-  grep -E '^\{"(step|served)' "$OUT/vllm-loop.log" || tail -30 "$OUT/vllm-loop.log"
+  # loop = SmolLM2-135M shape; loop-7b = Qwen2.5-7B shape with vLLM at 75% of the GPU, which
+  # checks that the trainer's own copy of the weights fits beside the sleeping engine
+  local args=() name=vllm-loop
+  [ "$1" = loop-7b ] && { args=(--shape qwen2.5-7b --gpu-memory-utilization 0.75); name=vllm-loop-7b; }
+  (while sleep 10; do nvidia-smi --query-gpu=memory.used --format=csv,noheader; done > "$OUT/$name-smi.log") &
+  local smi=$!
+  timeout 540 python3 benchmarks/gpu/vllm_loop.py --tokenizer .vllm2/tok --steps 2 "${args[@]}" \
+    --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || echo "FAILED $1"
+  kill $smi
+  grep -E '^\{"(step|served)' "$OUT/$name.log" || tail -30 "$OUT/$name.log"
 }
-python3 benchmarks/call_record_write.py | tee "$OUT/call_record_write.json"  # the disk's fsync cost
+[ "${1:-}" = loop-7b ] || python3 benchmarks/call_record_write.py | tee "$OUT/call_record_write.json"  # the disk's fsync cost
 # each vLLM start on the H200 takes ~100 s (compile, CUDA graphs); a call has 600 s
 for job in ${@:-smollm2-135m:16,64,256 qwen2.5-0.5b:64,256}; do
   echo "$(date +%T) $job"
-  if [ "$job" = loop ]; then loop_check; else run_rollouts "$job"; fi
+  case $job in loop|loop-7b) loop_check "$job" ;; *) run_rollouts "$job" ;; esac
 done
 cp /tmp/tracerl-vllm-*.log "$OUT/" 2>/dev/null || true
