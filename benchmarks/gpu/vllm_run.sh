@@ -20,7 +20,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 /tmp/vllm-python -c "import vllm, torch, vllm.entrypoints.openai.api_server; print('vllm', vllm.__version__, torch.cuda.get_device_name(0))" || true
 run_rollouts() {  # SHAPE:C1,C2...
   local shape=${1%%:*} conc=${1##*:}
-  timeout 280 python3 benchmarks/rollout_throughput.py --random-init "$shape" --tokenizer .vllm2/tok \
+  timeout ${ROLLOUT_TIMEOUT_S:-280} python3 benchmarks/rollout_throughput.py --random-init "$shape" --tokenizer .vllm2/tok \
     --concurrency ${conc//,/ } --max-tokens 256 --waves 3 --json "$OUT/rollout-$shape.json" \
     > "$OUT/rollout-$shape.log" 2>&1 || { echo "FAILED $shape"; tail -40 "$OUT/rollout-$shape.log"; }
   grep -E '^\{"concurrency"' "$OUT/rollout-$shape.log" || true
