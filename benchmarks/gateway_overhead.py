@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
+import httpx2
 
 import tracerl
 
@@ -36,7 +36,7 @@ async def run(engine: str, requests: int, max_tokens: int) -> dict:
             "temperature": 0}
     direct, gateway = [], []
     try:
-        async with httpx.AsyncClient(timeout=120) as http:
+        async with httpx2.AsyncClient(timeout=120) as http:
             direct_url = f"{eng.base_url}/v1/chat/completions" if engine == "vllm" else None
 
             async def via_direct() -> float:

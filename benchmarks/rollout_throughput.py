@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import platform
 import statistics
@@ -25,17 +26,44 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
-import httpx
+import aiohttp
+import httpx2
 
 import tracerl
-from tracerl.backend.engines.vllm_engine import engine_connection_limits, vllm_python
+from tracerl.backend.engines.vllm_engine import engine_connector, vllm_python
 from tracerl.backend.recorder import inject_training_fields
+
+Post = Callable[[str, dict, dict], Awaitable[dict]]
+
+
+@contextlib.asynccontextmanager
+async def client_for(kind: str, concurrency: int) -> AsyncIterator[Post]:
+    """One HTTP client for both paths: aiohttp with the gateway's own pool settings, or httpx2
+    (what the openai SDK sends with) with a pool as large."""
+    if kind == "aiohttp":
+        async with aiohttp.ClientSession(connector=engine_connector(concurrency),
+                                         timeout=aiohttp.ClientTimeout(total=600)) as session:
+            async def post(url: str, body: dict, headers: dict) -> dict:
+                async with session.post(url, json=body, headers=headers) as r:
+                    r.raise_for_status()
+                    return await r.json()
+            yield post
+    else:
+        limits = httpx2.Limits(max_connections=max(1024, 8 * concurrency),
+                               max_keepalive_connections=concurrency, keepalive_expiry=2.0)
+        async with httpx2.AsyncClient(timeout=600, limits=limits) as http:
+            async def post(url: str, body: dict, headers: dict) -> dict:
+                r = await http.post(url, json=body, headers=headers)
+                r.raise_for_status()
+                return r.json()
+            yield post
 
 
 async def measure(concurrencies: list[int], max_tokens: int, waves: int, base_model: str,
-                  vllm_args: list[str]) -> list[dict]:
+                  vllm_args: list[str], client: str) -> list[dict]:
     backend = tracerl.LocalBackend(path=tempfile.mkdtemp(), engine="vllm")
     model = tracerl.TrainableModel(
         name="bench", project="bench", base_model=base_model,
@@ -47,23 +75,21 @@ async def measure(concurrencies: list[int], max_tokens: int, waves: int, base_mo
     print(f"engine up in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     engine = backend.gateway.models[model.name].engine
     body = {"max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True}
-    limits = engine_connection_limits(max(concurrencies))  # the gateway's own pool settings
     results = []
     try:
-        async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        async with client_for(client, max(concurrencies)) as post:
             async def one(i: int, via_gateway: bool) -> int:
                 messages = [{"role": "user", "content": f"Write a story about the number {i}."}]
                 if via_gateway:
-                    r = await http.post(f"{model.inference_base_url}/chat/completions",
-                                        headers={"x-rollout-id": f"ro-{i}"},
-                                        json={**body, "messages": messages, "model": model.name})
+                    reply = await post(f"{model.inference_base_url}/chat/completions",
+                                       {**body, "messages": messages, "model": model.name},
+                                       {"x-rollout-id": f"ro-{i}"})
                 else:  # what the gateway asks of the engine, minus the gateway
-                    r = await http.post(f"{engine.base_url}/v1/chat/completions",
-                                        json=inject_training_fields("chat.completions", {
-                                            **body, "messages": messages,
-                                            "model": engine.spec.served_name}))
-                r.raise_for_status()
-                return r.json()["usage"]["completion_tokens"]
+                    reply = await post(f"{engine.base_url}/v1/chat/completions",
+                                       inject_training_fields("chat.completions", {
+                                           **body, "messages": messages,
+                                           "model": engine.spec.served_name}), {})
+                return reply["usage"]["completion_tokens"]
 
             async def wave(first: int, concurrency: int, via_gateway: bool) -> float:
                 start = time.perf_counter()
@@ -123,6 +149,8 @@ def main() -> None:
     ap.add_argument("--tokenizer", help="tokenizer folder for --random-init (default: SmolLM2's)")
     ap.add_argument("--vllm-arg", action="append", default=[],
                     help="extra vLLM server flag, repeatable (e.g. --vllm-arg=--enforce-eager)")
+    ap.add_argument("--client", choices=["aiohttp", "httpx2"], default="aiohttp",
+                    help="the benchmark's HTTP client, the same for both paths")
     ap.add_argument("--json")
     args = ap.parse_args()
     base_model = args.base_model
@@ -133,8 +161,9 @@ def main() -> None:
         tokenizer = Path(args.tokenizer) if args.tokenizer else resolve_base_model("smollm2")
         base_model = str(random_model_dir(args.random_init, tokenizer, vocab="tokenizer"))
     rows = asyncio.run(measure(args.concurrency, args.max_tokens, args.waves, base_model,
-                               args.vllm_arg))
-    result = {"model": args.random_init or args.base_model, **environment(), "results": rows}
+                               args.vllm_arg, args.client))
+    result = {"model": args.random_init or args.base_model, "client": args.client,
+              **environment(), "results": rows}
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -13,7 +13,7 @@ import asyncio
 import json
 from pathlib import Path
 
-import httpx
+import httpx2
 from calculator_task import ADD_TOOL, SYSTEM, answer_reward, examples, question, tool_model
 from common import parse_args, train_loop
 
@@ -24,7 +24,7 @@ from tracerl.integrations.litellm_proxy import LiteLLMProxy
 async def http_agent(base_url: str, key: str, headers: dict[str, str], a: int, b: int) -> str:
     """The existing agent: an OpenAI-style tool loop over raw HTTP."""
     messages = [{"role": "system", "content": SYSTEM}, *examples(), question(a, b)]
-    async with httpx.AsyncClient(base_url=base_url, timeout=300,
+    async with httpx2.AsyncClient(base_url=base_url, timeout=300,
                                  headers={"Authorization": f"Bearer {key}", **headers}) as client:
         for _ in range(3):
             r = await client.post("/chat/completions", json={

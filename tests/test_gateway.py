@@ -2,7 +2,7 @@
 
 import asyncio
 
-import httpx
+import httpx2
 import pytest
 
 import tracerl
@@ -41,7 +41,7 @@ async def test_caller_that_asks_gets_logprobs_and_ids(tf_backend):
 async def test_header_attribution_and_completions_endpoint(tf_backend, tokenizer):
     _, model = tf_backend
     prompt = tokenizer("The capital of France is", add_special_tokens=False)["input_ids"]
-    async with httpx.AsyncClient(base_url=model.inference_base_url, timeout=120) as http:
+    async with httpx2.AsyncClient(base_url=model.inference_base_url, timeout=120) as http:
         r = await http.post("/completions", headers={"x-rollout-id": "ro-header-test"},
                             json={"model": model.name, "prompt": prompt, "max_tokens": 4})
     assert r.status_code == 200, r.text
@@ -89,7 +89,7 @@ async def test_100_concurrent_rollouts_get_exactly_their_own_calls(tf_backend):
 ])
 async def test_bad_requests_get_openai_style_errors(tf_backend, payload, status, needle):
     _, model = tf_backend
-    async with httpx.AsyncClient(base_url=model.inference_base_url, timeout=120) as http:
+    async with httpx2.AsyncClient(base_url=model.inference_base_url, timeout=120) as http:
         r = await http.post("/chat/completions", content=payload,
                             headers={"content-type": "application/json"})
     assert r.status_code == status
@@ -99,7 +99,7 @@ async def test_bad_requests_get_openai_style_errors(tf_backend, payload, status,
 
 async def test_oversize_prompt_is_a_400_not_a_hang(tf_backend):
     _, model = tf_backend
-    async with httpx.AsyncClient(base_url=model.inference_base_url, timeout=30) as http:
+    async with httpx2.AsyncClient(base_url=model.inference_base_url, timeout=30) as http:
         r = await http.post("/chat/completions", json={
             "model": model.name, "messages": [{"role": "user", "content": "word " * 400}]})
     assert r.status_code == 400
@@ -108,7 +108,7 @@ async def test_oversize_prompt_is_a_400_not_a_hang(tf_backend):
 
 async def test_rollout_id_with_path_tricks_is_rejected(tf_backend):
     _, model = tf_backend
-    async with httpx.AsyncClient(base_url=model.inference_base_url, timeout=120) as http:
+    async with httpx2.AsyncClient(base_url=model.inference_base_url, timeout=120) as http:
         r = await http.post("/chat/completions", headers={"x-rollout-id": "../../etc"},
                             json={"model": model.name, "messages": MSGS, "max_tokens": 1})
     assert r.status_code == 400 and "invalid rollout id" in r.json()["error"]["message"]

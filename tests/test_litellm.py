@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-import httpx
+import httpx2
 import pytest
 
 pytest.importorskip("litellm")
@@ -89,7 +89,7 @@ async def test_proxy_tool_loop_from_plain_http(proxy, agent_model):
     assert proxy.host == "127.0.0.1"
     tools = {"add": lambda a, b: a + b}
 
-    async def agent(client: httpx.AsyncClient, rollout_id: str, a: int, b: int) -> list[dict]:
+    async def agent(client: httpx2.AsyncClient, rollout_id: str, a: int, b: int) -> list[dict]:
         messages = [{"role": "system", "content": SYSTEM}, *examples(), question(a, b)]
         for _ in range(3):
             r = await client.post("/chat/completions", headers={"x-rollout-id": rollout_id}, json={
@@ -104,7 +104,7 @@ async def test_proxy_tool_loop_from_plain_http(proxy, agent_model):
                 messages.append({"role": "tool", "tool_call_id": tc["id"], "content": str(result)})
         return messages
 
-    async with httpx.AsyncClient(base_url=proxy.base_url, timeout=120,
+    async with httpx2.AsyncClient(base_url=proxy.base_url, timeout=120,
                                  headers={"Authorization": f"Bearer {proxy.master_key}"}) as client:
         denied = await client.post("/chat/completions", headers={"Authorization": "Bearer wrong"},
                                    json={"model": "agent", "messages": [{"role": "user", "content": "hi"}]})

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-import httpx
+import httpx2
 import pytest
 
 import tracerl
@@ -101,7 +101,7 @@ async def test_500_concurrent_rollout_calls_through_the_remote_gateway(remote_mo
 
 def test_requests_without_the_key_or_with_bad_input_are_rejected(server):
     url = server.url
-    with httpx.Client(base_url=url, timeout=30) as http:
+    with httpx2.Client(base_url=url, timeout=30) as http:
         assert http.get("/health").json() == {"status": "ok"}  # nothing about models
         for method, path in [("GET", "/v1/models"), ("POST", "/v1/chat/completions"),
                              ("GET", "/api/v1/status"), ("POST", "/api/v1/models"),

@@ -4,7 +4,7 @@ import asyncio
 import os
 import signal
 
-import httpx
+import httpx2
 import pytest
 import torch
 
@@ -90,7 +90,7 @@ async def test_vllm_crash_gives_503_then_restarts(vllm_backend):
     engine = backend.gateway.models[model.name].engine
     os.killpg(engine.process.pid, signal.SIGKILL)
     await asyncio.to_thread(engine.process.wait)
-    async with httpx.AsyncClient(base_url=model.inference_base_url, timeout=60) as http:
+    async with httpx2.AsyncClient(base_url=model.inference_base_url, timeout=60) as http:
         r = await http.post("/chat/completions", json={"model": model.name, "messages": MSGS, "max_tokens": 2})
         assert r.status_code == 503
         assert "unavailable" in r.json()["error"]["message"]
@@ -135,14 +135,14 @@ def test_sleep_mode_defaults_to_the_device_and_memory_share_is_passed(smollm2_pa
 
 
 async def test_gateway_lets_more_than_100_requests_reach_vllm_at_once(vllm_backend):
-    """httpx pools 100 connections by default; the gateway must not cap rollouts there."""
+    """httpx2 pools 100 connections by default; the gateway must not cap rollouts there."""
     backend, model = vllm_backend
     engine = backend.gateway.models[model.name].engine
     n, peak, done = 140, 0.0, asyncio.Event()
 
     async def watch_vllm_queue() -> None:  # running + waiting, from vLLM's own metrics
         nonlocal peak
-        async with httpx.AsyncClient(base_url=engine.base_url, timeout=60) as http:
+        async with httpx2.AsyncClient(base_url=engine.base_url, timeout=60) as http:
             while not done.is_set():
                 lines = (await http.get("/metrics")).text.splitlines()
                 peak = max(peak, sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(
@@ -173,7 +173,7 @@ async def test_a_stalled_vllm_is_waited_for_not_restarted(tmp_path):
     try:
         engine = backend.gateway.models[model.name].engine
         pid = engine.process.pid
-        async with httpx.AsyncClient(base_url=model.inference_base_url, timeout=60) as http:
+        async with httpx2.AsyncClient(base_url=model.inference_base_url, timeout=60) as http:
             os.killpg(pid, signal.SIGSTOP)  # API server and engine core frozen, process alive
             try:
                 r = await http.post("/chat/completions", json=body)

@@ -27,7 +27,7 @@ import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
-import httpx
+import httpx2
 
 from ..core.config import TrainConfig
 from ..core.errors import BackendUnavailableError, NotRegisteredError, TrainingError
@@ -76,15 +76,15 @@ class RemoteBackend(Backend):
                  connect_timeout_s: float = 10.0, retry_for_s: float = 300.0,
                  compress_uploads: bool = True) -> None:
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
-        url = httpx.URL(self.base_url)
+        url = httpx2.URL(self.base_url)
         if url.scheme == "http" and url.host not in ("127.0.0.1", "localhost", "::1"):
             warnings.warn(f"{self.base_url} is plain HTTP: the API key and the trajectories cross the "
                           "network unencrypted; put the server behind TLS (https://)", stacklevel=2)
         self.api_key = api_key if api_key is not None else os.environ.get("TRACERL_API_KEY")
-        self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+        self.timeout = httpx2.Timeout(timeout_s, connect=connect_timeout_s)
         self.retry_for_s = retry_for_s
         self.compress_uploads = compress_uploads
-        self._clients: dict[int, httpx.AsyncClient] = {}
+        self._clients: dict[int, httpx2.AsyncClient] = {}
         self._models: dict[str, Any] = {}
 
     def __repr__(self) -> str:
@@ -92,12 +92,12 @@ class RemoteBackend(Backend):
 
     # --- transport -------------------------------------------------------------------------
 
-    def _client(self) -> httpx.AsyncClient:
+    def _client(self) -> httpx2.AsyncClient:
         loop = asyncio.get_running_loop()
         client = self._clients.get(id(loop))
         if client is None:
             headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-            client = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=self.timeout)
+            client = httpx2.AsyncClient(base_url=self.base_url, headers=headers, timeout=self.timeout)
             self._clients[id(loop)] = client
         return client
 
@@ -107,14 +107,14 @@ class RemoteBackend(Backend):
         while True:
             try:
                 return await attempt()
-            except (_Retry, httpx.TransportError) as e:
+            except (_Retry, httpx2.TransportError) as e:
                 last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             if not await backoff.wait():
                 raise BackendUnavailableError(
                     f"{what}: the server at {self.base_url} did not answer for {self.retry_for_s:.0f} s "
                     f"(last problem: {last})")
 
-    async def _check(self, response: httpx.Response) -> httpx.Response:
+    async def _check(self, response: httpx2.Response) -> httpx2.Response:
         if response.status_code in RETRY_STATUSES:
             await response.aread()
             raise _Retry(f"HTTP {response.status_code}: {response.text[:300]}")
@@ -209,7 +209,7 @@ class RemoteBackend(Backend):
                             yield metrics
                             return
                     raise _Retry("the progress stream ended before the step did")
-            except (_Retry, httpx.TransportError) as e:
+            except (_Retry, httpx2.TransportError) as e:
                 problem = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
                 if connected:  # the server was there: give it the whole budget to come back
                     backoff.reset()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import httpx  # noqa: F401 - loaded up front: openai probes it lazily, racily across threads
+import httpx2  # noqa: F401 - openai's transport: imported once, before rollouts start threads
 import openai
 
 from .context import ROLLOUT_HEADER, TAGS_HEADER, current_call_tags, current_rollout

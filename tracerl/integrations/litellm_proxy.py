@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+import httpx2
 
 from ..core.context import ROLLOUT_HEADER, TAGS_HEADER
 
@@ -121,9 +121,9 @@ class LiteLLMProxy:
                 raise RuntimeError(f"the LiteLLM proxy exited with {self.process.returncode}; "
                                    f"see {self.directory / 'proxy.log'}")
             try:
-                if httpx.get(f"http://{self.host}:{self.port}/health/liveliness", timeout=2).status_code == 200:
+                if httpx2.get(f"http://{self.host}:{self.port}/health/liveliness", timeout=2).status_code == 200:
                     return self
-            except httpx.HTTPError:
+            except httpx2.HTTPError:
                 pass
             time.sleep(0.5)
         self.stop()

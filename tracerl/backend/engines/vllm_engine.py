@@ -19,14 +19,16 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 
 from ...core.errors import EngineError
 from ...core.hookspecs import hookimpl
 from ..chat_template import chat_template_path
+from ..json_codec import loads
 from .base import Engine, EngineRequestError, EngineSpec, EngineUnavailableError
 
 STARTUP_TIMEOUT_S = float(os.environ.get("TRACERL_VLLM_STARTUP_TIMEOUT", "600"))
@@ -56,29 +58,57 @@ def _cuda_visible() -> bool:
     return torch.cuda.is_available()
 
 
-def engine_connection_limits(max_num_seqs: int) -> httpx.Limits:
-    """Connection pool towards vLLM's server.
+def engine_connector(max_num_seqs: int) -> aiohttp.TCPConnector:
+    """Connection pool towards vLLM's server (aiohttp: its pool hands out an idle connection in
+    O(1); httpx/httpx2 re-scan every pooled connection, probing each socket, on each request and
+    response, which cost the gateway a quarter of its CPU at 256 concurrent rollouts).
 
-    httpx pools 100 connections by default, which would silently cap the gateway at 100 requests
-    in flight: vLLM queues requests itself, so let every rollout through. Idle connections are
-    dropped after 2 s, before vLLM's uvicorn closes them (5 s, VLLM_HTTP_TIMEOUT_KEEP_ALIVE):
-    with equal timeouts a request can go out on a connection the server is closing, and fail
-    with a ReadError (seen on the H200 benchmark at 256 concurrent requests).
+    No cap at 100 connections (aiohttp's default): vLLM queues requests itself, so let every
+    rollout through. Idle connections are dropped after 2 s, before vLLM's uvicorn closes them
+    (5 s, VLLM_HTTP_TIMEOUT_KEEP_ALIVE): with equal timeouts a request can go out on a
+    connection the server is closing, and fail (seen on the H200 at 256 concurrent requests).
     """
-    return httpx.Limits(max_connections=max(1024, 8 * max_num_seqs),
-                        max_keepalive_connections=max(64, max_num_seqs), keepalive_expiry=2.0)
+    return aiohttp.TCPConnector(limit=max(1024, 8 * max_num_seqs), limit_per_host=0,
+                                keepalive_timeout=2.0)
+
+
+@dataclass(frozen=True)
+class EngineReply:
+    """A whole answer from the vLLM server."""
+
+    status_code: int
+    content: bytes
+
+    @property
+    def text(self) -> str:
+        return self.content.decode(errors="replace")
+
+    def json(self) -> Any:
+        return loads(self.content)
 
 
 @contextlib.contextmanager
 def _transport_errors() -> Iterator[None]:
-    """httpx failures as the gateway's terms: unreachable -> EngineUnavailableError (503 and a
-    restart check), too slow -> TimeoutError (504, as for the gateway's own deadline)."""
+    """Transport failures as the gateway's terms: too slow -> TimeoutError (504, as for the
+    gateway's own deadline), unreachable -> EngineUnavailableError (503 and a restart check)."""
     try:
         yield
-    except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as e:
-        raise EngineUnavailableError(f"the vLLM server did not answer: {e}") from e
-    except httpx.TimeoutException as e:
+    except TimeoutError as e:  # before ClientError: aiohttp's ServerTimeoutError is both
         raise TimeoutError(f"the vLLM server did not answer in time: {e!r}") from e
+    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+        raise EngineUnavailableError(f"the vLLM server did not answer: {e!r}") from e
+
+
+async def _sse_events(stream: aiohttp.StreamReader) -> AsyncIterator[Any]:
+    """The JSON payloads of a server-sent event stream, up to ``data: [DONE]``."""
+    async for raw in stream:  # one line at a time
+        line = raw.rstrip(b"\r\n")
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return
+        yield loads(data)
 
 
 def _free_port() -> int:
@@ -94,7 +124,7 @@ class VLLMEngine(Engine):
         super().__init__(spec)
         self.process: subprocess.Popen | None = None
         self.port: int | None = None
-        self.client: httpx.AsyncClient | None = None
+        self.client: aiohttp.ClientSession | None = None
         self._adapters: dict[str, Path] = {}
         self._ready = False  # healthy and every adapter re-loaded
         self._log = tempfile.NamedTemporaryFile(prefix="tracerl-vllm-", suffix=".log", delete=False)
@@ -155,9 +185,10 @@ class VLLMEngine(Engine):
         env.pop("PYTHONPATH", None)  # the vLLM venv brings its own packages
         self.process = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
                                         env=env, start_new_session=True)
-        self.client = httpx.AsyncClient(base_url=self.base_url, limits=engine_connection_limits(
-            self.spec.config.max_num_seqs), timeout=httpx.Timeout(
-            self.spec.config.request_timeout_s, connect=5))
+        self.client = aiohttp.ClientSession(
+            base_url=self.base_url, connector=engine_connector(self.spec.config.max_num_seqs),
+            timeout=aiohttp.ClientTimeout(total=None, connect=5,
+                                          sock_read=self.spec.config.request_timeout_s))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + STARTUP_TIMEOUT_S
         while True:
@@ -178,7 +209,7 @@ class VLLMEngine(Engine):
     async def stop(self) -> None:
         self._ready = False
         if self.client is not None:
-            await self.client.aclose()
+            await self.client.close()
             self.client = None
         proc, self.process = self.process, None
         if proc is not None and proc.poll() is None:
@@ -198,10 +229,10 @@ class VLLMEngine(Engine):
         if not self.alive() or self.client is None:
             return False
         try:
-            r = await self.client.get("/health", timeout=5)
-        except httpx.HTTPError:
+            async with self.client.get("/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, TimeoutError):
             return False
-        return r.status_code == 200
 
     async def load_adapter(self, lora_name: str, path: Path) -> None:
         body = {"lora_name": lora_name, "lora_path": str(path), "load_inplace": True}
@@ -224,14 +255,15 @@ class VLLMEngine(Engine):
                 raise EngineError(f"vLLM did not wake up: {r.text}")
             self._ready = True
 
-    async def _post(self, path: str, body: dict[str, Any]) -> httpx.Response:
+    async def _post(self, path: str, body: dict[str, Any]) -> EngineReply:
         if self.client is None or not self.alive():
             raise EngineUnavailableError("the vLLM server is not running")
         with _transport_errors():
-            return await self.client.post(path, json=body)
+            async with self.client.post(path, json=body) as r:
+                return EngineReply(r.status, await r.read())
 
     @staticmethod
-    def _raise_for(r: httpx.Response) -> None:
+    def _raise_for(r: EngineReply) -> None:
         if r.status_code < 400:
             return
         try:
@@ -265,17 +297,11 @@ class VLLMEngine(Engine):
         if self.client is None:
             raise EngineUnavailableError("the vLLM server is not running")
         with _transport_errors():
-            async with self.client.stream("POST", "/v1/chat/completions", json=body) as r:
-                if r.status_code >= 400:
-                    await r.aread()
-                    self._raise_for(r)
-                async for line in r.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        return
-                    yield json.loads(data)
+            async with self.client.post("/v1/chat/completions", json=body) as r:
+                if r.status >= 400:
+                    self._raise_for(EngineReply(r.status, await r.read()))
+                async for chunk in _sse_events(r.content):
+                    yield chunk
 
 
 @hookimpl
