@@ -43,7 +43,8 @@ python3 -m pip download -q "${P[@]}" -d .vllm2 blake3 cachetools cbor2 ijson pyb
   'llguidance>=1.7,<1.8' outlines_core==0.2.14 lark==1.2.2 'xgrammar>=0.2.1,<1' \
   'apache-tvm-ffi>=0.1.11' jsonschema jsonschema-specifications referencing rpds-py \
   'mistral_common>=1.11.5' compressed-tensors==0.17.0 loguru depyf==0.20.0 astor dill \
-  openai-harmony 'model-hosting-container-standards>=0.1.14,<1' jmespath supervisor diskcache
+  openai-harmony 'model-hosting-container-standards>=0.1.14,<1' jmespath supervisor diskcache \
+  orjson  # tracerl's engine replies (the device has aiohttp)
 .venv/bin/pip wheel -q --no-deps --no-build-isolation -w .vllm2 . && rm -rf build
 TOK=$(.venv/bin/tracerl prepare-model smollm2)
 cp "$TOK"/tokenizer.json "$TOK"/tokenizer_config.json "$TOK"/chat_template.jinja .vllm2/tok/
