@@ -7,6 +7,7 @@ import os
 os.environ.setdefault("TRACERL_QUIET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no internet here: no fetch retries
 
 from pathlib import Path
 

@@ -1,5 +1,16 @@
 """RULER: relative LLM judging of trajectory groups."""
 
-from .judge import DEFAULT_RUBRIC, Ruler, RulerError, parse_scores, ruler_score_group, trajectory_id
+from .judge import (
+    DEFAULT_RUBRIC,
+    Ruler,
+    RulerError,
+    TrajectoryScore,
+    parse_judgement,
+    parse_scores,
+    ruler,
+    ruler_score_group,
+    trajectory_id,
+)
 
-__all__ = ["DEFAULT_RUBRIC", "Ruler", "RulerError", "parse_scores", "ruler_score_group", "trajectory_id"]
+__all__ = ["DEFAULT_RUBRIC", "Ruler", "RulerError", "TrajectoryScore", "parse_judgement",
+           "parse_scores", "ruler", "ruler_score_group", "trajectory_id"]

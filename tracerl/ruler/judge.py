@@ -16,8 +16,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +81,16 @@ def score_schema(ids: list[str]) -> dict[str, Any]:
     }
 
 
-def parse_scores(text: str, ids: list[str]) -> dict[str, float]:
+@dataclass(frozen=True)
+class TrajectoryScore:
+    """One trajectory's judged score and the judge's reason for it."""
+
+    trajectory_id: str
+    score: float
+    explanation: str = ""
+
+
+def parse_judgement(text: str, ids: list[str]) -> dict[str, TrajectoryScore]:
     """Validate a judge answer; raise ValueError saying what is wrong with it."""
     start, end = text.find("{"), text.rfind("}")
     if start < 0 or end < start:
@@ -92,7 +102,7 @@ def parse_scores(text: str, ids: list[str]) -> dict[str, float]:
     entries = data.get("scores") if isinstance(data, dict) else None
     if not isinstance(entries, list):
         raise ValueError("the judge's answer has no 'scores' list")
-    scores: dict[str, float] = {}
+    scores: dict[str, TrajectoryScore] = {}
     for e in entries:
         if not isinstance(e, dict) or not isinstance(e.get("trajectory_id"), str):
             raise ValueError(f"score entry without a trajectory_id: {e!r}")
@@ -103,11 +113,17 @@ def parse_scores(text: str, ids: list[str]) -> dict[str, float]:
             raise ValueError(f"the judge scored {tid!r} twice")
         if isinstance(score, bool) or not isinstance(score, int | float) or not 0 <= score <= 1:
             raise ValueError(f"score of {tid!r} is {score!r}, not a number in [0, 1]")
-        scores[tid] = float(score)
+        explanation = e.get("explanation")
+        scores[tid] = TrajectoryScore(tid, float(score), explanation if isinstance(explanation, str) else "")
     missing = [i for i in ids if i not in scores]
     if missing:
         raise ValueError(f"the judge did not score {missing}")
     return scores
+
+
+def parse_scores(text: str, ids: list[str]) -> dict[str, float]:
+    """Validate a judge answer and return its scores by trajectory id."""
+    return {tid: s.score for tid, s in parse_judgement(text, ids).items()}
 
 
 @dataclass
@@ -129,7 +145,7 @@ class Ruler:
                  max_retries: int = 2, timeout_s: float = 120.0, chunk_size: int = 8,
                  max_prompt_chars: int = 24_000, cache_dir: str | Path | None = None,
                  structured_output: bool = True, temperature: float = 0.0,
-                 max_tokens: int = 1024) -> None:
+                 max_tokens: int = 1024, debug: bool = False) -> None:
         if chunk_size < 2:
             raise ValueError("chunk_size must be at least 2 (a chunk holds the anchor and another)")
         self.client, self.model, self.rubric = client, model, rubric
@@ -137,6 +153,7 @@ class Ruler:
         self.chunk_size, self.max_prompt_chars = chunk_size, max_prompt_chars
         self.cache_dir = Path(cache_dir) if cache_dir else None
         self.structured_output, self.temperature, self.max_tokens = structured_output, temperature, max_tokens
+        self.debug = debug
 
     # --- prompt ------------------------------------------------------------------------
 
@@ -173,11 +190,12 @@ class Ruler:
         key = hashlib.sha256(json.dumps([self.model, messages], sort_keys=True).encode()).hexdigest()
         return self.cache_dir / f"{key}.json"
 
-    async def _ask(self, messages: list[dict[str, Any]], ids: list[str], stats: JudgeStats) -> dict[str, float]:
+    async def _ask(self, messages: list[dict[str, Any]], ids: list[str], stats: JudgeStats
+                   ) -> dict[str, TrajectoryScore]:
         cache = self._cache_path(messages)
         if cache is not None and cache.exists():
             stats.cache_hits += 1
-            return parse_scores(cache.read_text(), ids)
+            return parse_judgement(cache.read_text(), ids)
         kwargs: dict[str, Any] = {}
         if self.structured_output:
             kwargs["response_format"] = {"type": "json_schema", "json_schema": {
@@ -209,8 +227,10 @@ class Ruler:
                 stats.prompt_tokens += usage.prompt_tokens or 0
                 stats.completion_tokens += usage.completion_tokens or 0
             text = response.choices[0].message.content or ""
+            if self.debug:
+                print(f"[ruler] {self.model} answered (attempt {attempt + 1}): {text}", file=sys.stderr)
             try:
-                scores = parse_scores(text, ids)
+                scores = parse_judgement(text, ids)
             except ValueError as e:
                 last_error = str(e)
                 stats.errors.append(last_error)
@@ -225,56 +245,64 @@ class Ruler:
 
     # --- scoring a group ---------------------------------------------------------------
 
-    async def score_group(self, group: TrajectoryGroup, *, swallow_exceptions: bool = False
-                          ) -> TrajectoryGroup | None:
-        """Set each trajectory's reward to its judged score (the old reward is kept in
-        ``metrics['independent_reward']``). Returns the group, or None if judging failed and
-        ``swallow_exceptions`` is set."""
-        trajectories = group.trajectories
-        if len(trajectories) < 2:
-            return group
-        histories = [[_plain(m) for m in t.messages_and_choices] for t in trajectories]
+    async def judge_histories(self, histories: list[list[dict[str, Any]]], stats: JudgeStats
+                              ) -> tuple[list[TrajectoryScore], int, int]:
+        """Score message histories against each other: one score per history, in order (ids
+        are content-derived), plus how many messages they share and how many are distinct."""
         n_shared = shared_prefix(histories)
         context = histories[0][:n_shared]
         ids = [trajectory_id(h[n_shared:]) for h in histories]
         unique: dict[str, list[dict[str, Any]]] = {}
         for tid, h in zip(ids, histories, strict=True):
             unique.setdefault(tid, h[n_shared:])
-        items = list(unique.items())
+        judged = await self._score_items(context, list(unique.items()), stats)
+        return [judged[tid] for tid in ids], n_shared, len(unique)
+
+    async def score_group(self, group: TrajectoryGroup, *, swallow_exceptions: bool = False
+                          ) -> TrajectoryGroup | None:
+        """Set each trajectory's reward to its judged score (the old reward is kept in
+        ``metrics['independent_reward']``, the judge's explanation in ``logs``). Returns the
+        group, or None if judging failed and ``swallow_exceptions`` is set."""
+        trajectories = group.trajectories
+        if len(trajectories) < 2:
+            return group
         stats = JudgeStats()
         try:
-            scores = await self._score_items(context, items, stats)
+            judged, n_shared, n_unique = await self.judge_histories(
+                [[_plain(m) for m in t.messages_and_choices] for t in trajectories], stats)
         except RulerError:
             if swallow_exceptions:
                 return None
             raise
-        for t, tid in zip(trajectories, ids, strict=True):
-            _set_score(t, scores[tid])
+        for t, result in zip(trajectories, judged, strict=True):
+            _set_score(t, result.score)
+            if result.explanation:
+                t.log(f"RULER explanation: {result.explanation}")
         group.metadata["ruler"] = {
             "judge": self.model, "calls": stats.calls, "retries": stats.retries,
             "cache_hits": stats.cache_hits, "latency_s": stats.latency_s,
             "prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
-            "shared_messages": n_shared, "unique_trajectories": len(items), "errors": stats.errors,
+            "shared_messages": n_shared, "unique_trajectories": n_unique, "errors": stats.errors,
         }
         return group
 
     async def _score_items(self, context: list[dict[str, Any]], items: list[tuple[str, Any]],
-                           stats: JudgeStats) -> dict[str, float]:
+                           stats: JudgeStats) -> dict[str, TrajectoryScore]:
         if len(items) == 1:
-            return {items[0][0]: 1.0}
+            return {items[0][0]: TrajectoryScore(items[0][0], 1.0, "the only distinct trajectory")}
         chunks = self._chunks(items)
         results = await asyncio.gather(*[
             self._ask(self._messages(context, chunk), [tid for tid, _ in chunk], stats) for chunk in chunks])
         if len(results) == 1:
             return results[0]
         anchor = items[0][0]
-        target = sum(r[anchor] for r in results) / len(results)
-        merged: dict[str, float] = {anchor: target}
+        target = sum(r[anchor].score for r in results) / len(results)
+        merged = {anchor: replace(results[0][anchor], score=target)}
         for r in results:  # shift each chunk so the anchor scores the same everywhere
-            shift = target - r[anchor]
+            shift = target - r[anchor].score
             for tid, s in r.items():
                 if tid != anchor:
-                    merged[tid] = min(1.0, max(0.0, s + shift))
+                    merged[tid] = replace(s, score=min(1.0, max(0.0, s.score + shift)))
         return merged
 
 
@@ -286,27 +314,55 @@ def _set_score(t: Trajectory, score: float) -> None:
     t.reward = score
 
 
-async def ruler_score_group(group: TrajectoryGroup, judge_model: str, *, client: Any = None,
-                            swallow_exceptions: bool = False, **kwargs: Any) -> TrajectoryGroup | None:
-    """ART-style entry point, usable as ``after_each=lambda g: ruler_score_group(g, "m", client=c)``.
-
-    Without ``client``, the judge is called through LiteLLM (any provider it knows)."""
+def _judge(judge_model: str, extra_litellm_params: dict[str, Any] | None, client: Any,
+           rubric: str, debug: bool, options: dict[str, Any]) -> Ruler:
+    if client is not None and extra_litellm_params:
+        raise ValueError("extra_litellm_params apply to LiteLLM, which is used only without a "
+                         "client; configure the client instead")
     if client is None:
-        client = _LiteLLMClient()
-    return await Ruler(client, judge_model, **kwargs).score_group(group, swallow_exceptions=swallow_exceptions)
+        client = _LiteLLMClient(extra_litellm_params or {})
+    return Ruler(client, judge_model, rubric=rubric, debug=debug, **options)
+
+
+async def ruler_score_group(group: TrajectoryGroup, judge_model: str = "openai/o3",
+                            extra_litellm_params: dict[str, Any] | None = None,
+                            rubric: str = DEFAULT_RUBRIC, *, client: Any = None,
+                            swallow_exceptions: bool = False, debug: bool = False,
+                            **options: Any) -> TrajectoryGroup | None:
+    """ART's signature, usable as ``after_each=lambda g: ruler_score_group(g, "openai/o3")``.
+
+    Without ``client`` (any AsyncOpenAI-compatible client), the judge is called through LiteLLM
+    with ``extra_litellm_params`` (``api_base``, ``api_key``, ...). ``options`` go to
+    :class:`Ruler` (``max_retries``, ``chunk_size``, ``cache_dir``, ...)."""
+    judge = _judge(judge_model, extra_litellm_params, client, rubric, debug, options)
+    return await judge.score_group(group, swallow_exceptions=swallow_exceptions)
+
+
+async def ruler(message_lists: list[list[dict[str, Any]]], judge_model: str = "openai/o3",
+                extra_litellm_params: dict[str, Any] | None = None, rubric: str = DEFAULT_RUBRIC,
+                *, client: Any = None, debug: bool = False, **options: Any) -> list[TrajectoryScore]:
+    """ART's low-level ``ruler``: score raw message lists against each other. Returns one
+    :class:`TrajectoryScore` per list, in order, with ids "1", "2", ... as ART numbers them."""
+    if not message_lists:
+        return []
+    judge = _judge(judge_model, extra_litellm_params, client, rubric, debug, options)
+    histories = [[_plain(m) for m in messages] for messages in message_lists]
+    judged, _, _ = await judge.judge_histories(histories, JudgeStats())
+    return [replace(result, trajectory_id=str(i)) for i, result in enumerate(judged, start=1)]
 
 
 class _LiteLLMClient:
     """The slice of the AsyncOpenAI interface the judge uses, over ``litellm.acompletion``."""
 
-    def __init__(self) -> None:
+    def __init__(self, extra_params: dict[str, Any]) -> None:
         try:
             import litellm
         except ImportError as e:
             raise RulerError("judging without a client needs LiteLLM: pip install 'tracerl[litellm]'") from e
         self._litellm = litellm
+        self._extra = dict(extra_params)
         self.chat = self
         self.completions = self
 
     async def create(self, **kwargs: Any) -> Any:
-        return await self._litellm.acompletion(**kwargs)
+        return await self._litellm.acompletion(**{**kwargs, **self._extra})

@@ -1,0 +1,161 @@
+"""Porting ART scripts: tracerl.utils, tracerl.rewards and tracerl.local take ART's arguments.
+
+The judge is the stand-in server that tests/test_ruler.py uses; LiteLLM, the dataset iteration,
+the gateway, the engine and the trainer are real."""
+
+import asyncio
+import json
+
+import pytest
+
+import tracerl
+from tests.judge_server import JudgeServer, good
+from tracerl.rewards import DEFAULT_RUBRIC, ruler, ruler_score_group
+from tracerl.utils import DatasetBatch, iterate_dataset, limit_concurrency
+
+SCENARIOS = [f"scenario-{i}" for i in range(7)]
+
+
+def all_batches(**kwargs):
+    return list(iterate_dataset(SCENARIOS, use_tqdm=False, **kwargs))
+
+
+def test_every_item_once_per_epoch_in_numbered_steps():
+    batches = all_batches(groups_per_step=3, num_epochs=2)
+    assert [(b.step, b.epoch, b.epoch_step, len(b.items)) for b in batches] == [
+        (0, 0, 0, 3), (1, 0, 1, 3), (2, 0, 2, 1), (3, 1, 0, 3), (4, 1, 1, 3), (5, 1, 2, 1)]
+    for epoch in (0, 1):
+        served = [item for b in batches if b.epoch == epoch for item in b.items]
+        assert sorted(served) == sorted(SCENARIOS)
+    first, second = ([i for b in batches if b.epoch == e for i in b.items] for e in (0, 1))
+    assert first != second != SCENARIOS  # shuffled, differently per epoch
+    assert all_batches(groups_per_step=3, num_epochs=2) == batches  # deterministic
+    assert all_batches(groups_per_step=3, num_epochs=2, seed=1) != batches
+    unshuffled = all_batches(groups_per_step=7, shuffle=False)
+    assert unshuffled == [DatasetBatch(items=SCENARIOS, step=0, epoch=0, epoch_step=0)]
+
+
+def test_resuming_at_any_step_gives_the_batches_an_uninterrupted_run_would():
+    full = all_batches(groups_per_step=2, num_epochs=3)
+    for step in range(len(full) + 2):
+        assert all_batches(groups_per_step=2, num_epochs=3, initial_step=step) == full[step:]
+
+
+def test_bad_arguments_are_named_and_iterables_are_accepted():
+    for kwargs, needle in [({"groups_per_step": 0}, "groups_per_step"), ({"num_epochs": 1.5}, "num_epochs"),
+                           ({"initial_step": -1}, "initial_step"), ({"groups_per_step": True}, "groups_per_step")]:
+        with pytest.raises(ValueError, match=needle):
+            iterate_dataset(SCENARIOS, **kwargs)  # raised at the call, not at the first next()
+    with pytest.raises(ValueError, match="empty"):
+        iterate_dataset([])
+    generated = list(iterate_dataset((s for s in SCENARIOS), groups_per_step=4, num_epochs=2, use_tqdm=False))
+    assert [b.step for b in generated] == [0, 1, 2, 3] and sum(len(b.items) for b in generated) == 14
+
+
+def test_limit_concurrency_caps_calls_per_key_across_event_loops():
+    running: dict[str, int] = {}
+    peak: dict[str, int] = {}
+
+    @limit_concurrency(2, derive_key=lambda tenant, i: tenant)
+    async def call(tenant: str, i: int) -> int:
+        running[tenant] = running.get(tenant, 0) + 1
+        peak[tenant] = max(peak.get(tenant, 0), running[tenant])
+        await asyncio.sleep(0.01)
+        running[tenant] -= 1
+        return i
+
+    async def burst():
+        return await asyncio.gather(*[call(t, i) for i in range(10) for t in ("a", "b")])
+
+    for _ in range(2):  # a second event loop: a module-level semaphore would fail here
+        assert sorted(asyncio.run(burst())) == sorted(list(range(10)) * 2)
+    assert peak == {"a": 2, "b": 2}
+    with pytest.raises(ValueError, match="n >= 1"):
+        limit_concurrency(0)
+    with pytest.raises(TypeError, match="async functions"):
+        limit_concurrency(1)(lambda: None)
+
+
+@pytest.fixture
+def judge_server():
+    server = JudgeServer([good(lambda tid, k: round(0.2 + 0.3 * k, 2))])
+    yield server
+    server.close()
+
+
+def group(*answers):
+    task = {"role": "user", "content": "Name a prime number."}
+    return tracerl.TrajectoryGroup([
+        tracerl.Trajectory(messages_and_choices=[task, {"role": "assistant", "content": a}], reward=0.0)
+        for a in answers])
+
+
+async def test_ruler_score_group_takes_arts_arguments_through_real_litellm(judge_server, capsys):
+    litellm_params = {"api_base": judge_server.url, "api_key": "judge-key"}
+    scored = await ruler_score_group(group("7", "9", "11"), "openai/judge", litellm_params, DEFAULT_RUBRIC,
+                                     swallow_exceptions=False, debug=True)
+    (request,) = judge_server.requests
+    assert request["model"] == "judge"  # LiteLLM routed "openai/judge" to our api_base
+    assert request["response_format"]["type"] == "json_schema"
+    assert sorted(t.reward for t in scored) == [0.2, 0.5, 0.8]
+    assert all(t.metrics["independent_reward"] == 0.0 for t in scored)
+    assert all(t.logs == ["RULER explanation: ok"] for t in scored)
+    assert "[ruler] openai/judge answered (attempt 1)" in capsys.readouterr().err
+
+    unreachable = {"api_base": "http://127.0.0.1:9/v1", "api_key": "k"}
+    assert await ruler_score_group(group("2", "4"), "openai/judge", unreachable, swallow_exceptions=True,
+                                   max_retries=0) is None
+
+
+async def test_ruler_scores_raw_message_lists_in_order(judge_server):
+    task = {"role": "user", "content": "Name a prime number."}
+    lists = [[task, {"role": "assistant", "content": a}] for a in ("4", "13", "4")]
+    scores = await ruler(lists, "openai/judge", {"api_base": judge_server.url, "api_key": "k"})
+    assert [s.trajectory_id for s in scores] == ["1", "2", "3"]
+    assert scores[0].score == scores[2].score != scores[1].score  # identical lists, identical scores
+    prompt = judge_server.requests[0]["messages"][-1]["content"]
+    assert prompt.count("<trajectory id=") == 2  # the duplicate is sent once
+    assert await ruler([], "openai/judge") == []
+
+
+async def test_extra_litellm_params_beside_a_client_are_refused():
+    with pytest.raises(ValueError, match="extra_litellm_params"):
+        await ruler_score_group(group("a", "b"), "judge", {"api_base": "x"}, client=object())
+
+
+async def test_an_art_training_loop_ports_by_changing_the_imports(tf_backend, judge_server):
+    from tracerl.local import LocalBackend
+
+    backend, _ = tf_backend
+    assert isinstance(backend, LocalBackend)
+    model = tracerl.TrainableModel(name="ported", project="tests", base_model="smollm2")
+    await model.register(backend)
+    judge_params = {"api_base": judge_server.url, "api_key": "k"}
+
+    async def rollout(model: tracerl.TrainableModel, scenario: str) -> tracerl.Trajectory:
+        messages = [{"role": "user", "content": f"Say {scenario}."}]
+        response = await model.openai_client().chat.completions.create(
+            model=model.get_inference_name(), messages=messages, max_tokens=4, temperature=1.0)
+        return tracerl.Trajectory(messages_and_choices=[*messages, response.choices[0]], reward=0.0,
+                                  metadata={"scenario": scenario})
+
+    scenarios = SCENARIOS[:3]
+    trained = []
+    for batch in iterate_dataset(scenarios, groups_per_step=2, num_epochs=1,
+                                 initial_step=await model.get_step(), use_tqdm=False):
+        groups = await tracerl.gather_trajectory_groups(
+            (tracerl.TrajectoryGroup(rollout(model, s) for _ in range(2)) for s in batch.items),
+            after_each=lambda g: ruler_score_group(g, "openai/judge", judge_params, swallow_exceptions=True),
+            pbar_desc="gather", max_exceptions=0, show_progress=False)
+        await model.train(groups, config=tracerl.TrainConfig(learning_rate=1e-4))
+        trained.append(batch.step)
+    assert trained == [0, 1] and await model.get_step() == 2
+    saved = backend.store(model).trajectories_path("train", 1).read_text().splitlines()
+    assert any("ruler_score" in json.dumps(json.loads(line)) for line in saved)
+
+    # a restarted script resumes where training stopped: one more epoch gives only new steps
+    again = tracerl.TrainableModel(name="ported", project="tests", base_model="smollm2")
+    await again.register(backend)
+    resumed = [b.step for b in iterate_dataset(scenarios, groups_per_step=2, num_epochs=2,
+                                               initial_step=await again.get_step(), use_tqdm=False)]
+    assert resumed == [2, 3]
