@@ -159,3 +159,28 @@ async def test_an_art_training_loop_ports_by_changing_the_imports(tf_backend, ju
     resumed = [b.step for b in iterate_dataset(scenarios, groups_per_step=2, num_epochs=2,
                                                initial_step=await again.get_step(), use_tqdm=False)]
     assert resumed == [2, 3]
+
+
+async def test_additional_histories_train_when_there_are_no_token_records(tf_backend):
+    from openai.types.chat.chat_completion import Choice
+
+    backend, _ = tf_backend
+    model = tracerl.TrainableModel(name="histories", project="tests", base_model="smollm2")
+    await model.register(backend)
+
+    def answer(text):
+        return Choice.model_validate({"index": 0, "finish_reason": "stop",
+                                      "message": {"role": "assistant", "content": text}})
+
+    def trajectory(reward, text):
+        return tracerl.Trajectory(
+            messages_and_choices=[{"role": "user", "content": "Plan a trip."}, answer(text)],
+            additional_histories=[tracerl.History(messages_and_choices=[
+                {"role": "user", "content": "Summarise the plan."}, answer(f"Summary: {text}")])],
+            reward=reward)
+
+    group = tracerl.TrajectoryGroup([trajectory(1.0, "Go to Rome."), trajectory(0.0, "Stay home.")])
+    metrics = await model.train([group], config=tracerl.TrainConfig(learning_rate=1e-4))
+    assert metrics["rendered_rows"] == 4 and metrics["rows"] == 4  # 2 trajectories x 2 histories
+    with pytest.raises(ValueError, match="additional_histories"):
+        await ruler_score_group(group, "judge", client=object())

@@ -48,6 +48,20 @@ def test_trajectory_json_round_trip_is_lossless():
     assert back.messages()[-1] == {"role": "assistant", "content": "4"}
 
 
+def test_additional_histories_round_trip_and_are_validated():
+    sub_agent = tracerl.History(messages_and_choices=[{"role": "user", "content": "summarise"},
+                                                      make_choice("ok", token_ids=[9])],
+                                tools=[{"type": "function", "function": {"name": "f"}}])
+    t = make_trajectory()
+    t.additional_histories = [sub_agent]
+    back = tracerl.Trajectory.from_json(t.to_json())
+    assert back == t and isinstance(back.additional_histories[0].messages_and_choices[1], Choice)
+    assert back.additional_histories[0].messages()[-1] == {"role": "assistant", "content": "ok"}
+    with pytest.raises(tracerl.InvalidTrajectoryError, match=r"messages_and_choices\[1\].*'robot'"):
+        tracerl.Trajectory(additional_histories=[{"messages_and_choices": [
+            {"role": "user", "content": "a"}, {"role": "robot", "content": "b"}]}])
+
+
 def test_group_jsonl_round_trip(tmp_path):
     g1 = tracerl.TrajectoryGroup([make_trajectory(1.0), make_trajectory(0.0)],
                                  exceptions=[ValueError("boom")], metadata={"scenario": "x"})

@@ -30,6 +30,7 @@ from .core.model import Model, TrainableModel
 from .core.spans import Span
 from .core.trajectory import (
     CompletionRecord,
+    History,
     LLMCall,
     RolloutException,
     Trajectory,
@@ -51,6 +52,7 @@ __all__ = [
     "ContextThreadPoolExecutor",
     "EngineConfig",
     "EngineError",
+    "History",
     "InvalidTrajectoryError",
     "LLMCall",
     "LocalBackend",

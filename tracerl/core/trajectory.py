@@ -111,13 +111,48 @@ def _to_message_or_choice(item: Any, position: int) -> dict[str, Any] | Choice:
     return item
 
 
-class Trajectory(_Validated):
-    """What one rollout did and how well: the ART-compatible trajectory, plus token records."""
+class Conversation(_Validated):
+    """A chat history: messages, and ``Choice`` objects where the model answered."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True, validate_assignment=True, extra="forbid")
 
     messages_and_choices: list[Any] = Field(default_factory=list)
     tools: list[dict[str, Any]] | None = None
+
+    @field_validator("messages_and_choices", mode="before")
+    @classmethod
+    def _validate_messages(cls, value: Any) -> list[Any]:
+        if not isinstance(value, list | tuple):
+            raise InvalidTrajectoryError("messages_and_choices must be a list")
+        return [_to_message_or_choice(item, i) for i, item in enumerate(value)]
+
+    @field_serializer("messages_and_choices")
+    def _serialize_messages(self, value: list[Any]) -> list[dict[str, Any]]:
+        return [v.model_dump(mode="json") if isinstance(v, Choice) else v for v in value]
+
+    def messages(self) -> list[dict[str, Any]]:
+        """The conversation as plain chat messages (choices become assistant messages)."""
+        out = []
+        for item in self.messages_and_choices:
+            if isinstance(item, Choice):
+                out.append(item.message.model_dump(exclude_none=True))
+            else:
+                out.append(item)
+        return out
+
+
+class History(Conversation):
+    """Another conversation of the same rollout (ART's ``History``), e.g. a sub-agent's."""
+
+
+class Trajectory(Conversation):
+    """What one rollout did and how well: the ART-compatible trajectory, plus token records.
+
+    ``additional_histories`` (ART's field) train only when the rollout has no token records:
+    calls made through the gateway are all recorded, sub-agents' included, and train token-exactly.
+    """
+
+    additional_histories: list[History] = Field(default_factory=list)
     reward: float = 0.0
     metrics: dict[str, float] = Field(default_factory=dict)
     metadata: dict[str, Any] = Field(default_factory=dict)
@@ -136,17 +171,6 @@ class Trajectory(_Validated):
             if ctx is not None:
                 data["rollout_id"] = ctx.rollout_id
         super().__init__(**data)
-
-    @field_validator("messages_and_choices", mode="before")
-    @classmethod
-    def _validate_messages(cls, value: Any) -> list[Any]:
-        if not isinstance(value, list | tuple):
-            raise InvalidTrajectoryError("messages_and_choices must be a list")
-        return [_to_message_or_choice(item, i) for i, item in enumerate(value)]
-
-    @field_serializer("messages_and_choices")
-    def _serialize_messages(self, value: list[Any]) -> list[dict[str, Any]]:
-        return [v.model_dump(mode="json") if isinstance(v, Choice) else v for v in value]
 
     @field_validator("reward", mode="before")
     @classmethod
@@ -169,16 +193,6 @@ class Trajectory(_Validated):
     def log(self, message: str) -> None:
         """Append a free-text line to the trajectory's logs."""
         self.logs.append(message)
-
-    def messages(self) -> list[dict[str, Any]]:
-        """The conversation as plain chat messages (choices become assistant messages)."""
-        out = []
-        for item in self.messages_and_choices:
-            if isinstance(item, Choice):
-                out.append(item.message.model_dump(exclude_none=True))
-            else:
-                out.append(item)
-        return out
 
 
 

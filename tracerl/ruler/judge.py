@@ -264,6 +264,9 @@ class Ruler:
         ``metrics['independent_reward']``, the judge's explanation in ``logs``). Returns the
         group, or None if judging failed and ``swallow_exceptions`` is set."""
         trajectories = group.trajectories
+        if any(t.additional_histories for t in trajectories):
+            raise ValueError("RULER judges messages_and_choices only; this group has trajectories "
+                             "with additional_histories, which the judge would not see")
         if len(trajectories) < 2:
             return group
         stats = JudgeStats()

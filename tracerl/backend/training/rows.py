@@ -15,7 +15,7 @@ from typing import Any
 
 from openai.types.chat.chat_completion import Choice
 
-from ...core.trajectory import LLMCall, Trajectory
+from ...core.trajectory import Conversation, LLMCall
 
 NAN = float("nan")
 
@@ -111,14 +111,14 @@ def rows_from_calls(calls: list[LLMCall], stats: RowStats) -> list[Row]:
 Renderer = Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], list[int]]
 
 
-def rows_from_messages(trajectory: Trajectory, render: Renderer, tokenize: Callable[[str], list[int]],
+def rows_from_messages(conversation: Conversation, render: Renderer, tokenize: Callable[[str], list[int]],
                        eos_id: int | None) -> list[Row]:
     """Fallback: render each Choice's conversation with the chat template (flagged)."""
     rows = []
     history: list[dict[str, Any]] = []
-    for item in trajectory.messages_and_choices:
+    for item in conversation.messages_and_choices:
         if isinstance(item, Choice):
-            prompt = render(history, trajectory.tools)
+            prompt = render(history, conversation.tools)
             extra = item.model_extra or {}
             completion = list(extra.get("token_ids") or [])
             if not completion:

@@ -143,8 +143,10 @@ class Trainer:
                 continue
             for traj, a in zip(group.trajectories, adv.advantages, strict=True):
                 traj_rows = rows_from_calls(traj.llm_calls, stats) if traj.llm_calls else []
-                if not traj_rows:
-                    traj_rows = rows_from_messages(traj, self._render, tokenize, self.tokenizer.eos_token_id)
+                if not traj_rows:  # no token records: render the main and additional histories
+                    traj_rows = [row for conversation in (traj, *traj.additional_histories)
+                                 for row in rows_from_messages(conversation, self._render, tokenize,
+                                                               self.tokenizer.eos_token_id)]
                     stats.rendered_rows += len(traj_rows)
                 if not traj_rows:
                     stats.empty_trajectories += 1
