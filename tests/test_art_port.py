@@ -10,6 +10,7 @@ import pytest
 
 import tracerl
 from tests.judge_server import JudgeServer, good
+from tracerl.core.art_config import train_options_from_art
 from tracerl.rewards import DEFAULT_RUBRIC, ruler, ruler_score_group
 from tracerl.utils import DatasetBatch, iterate_dataset, limit_concurrency
 
@@ -184,3 +185,48 @@ async def test_additional_histories_train_when_there_are_no_token_records(tf_bac
     assert metrics["rendered_rows"] == 4 and metrics["rows"] == 4  # 2 trajectories x 2 histories
     with pytest.raises(ValueError, match="additional_histories"):
         await ruler_score_group(group, "judge", client=object())
+    with pytest.raises(tracerl.ConfigError, match="normalize_by_length"):
+        await model.train([group], _config={"normalize_by_length": False})
+    assert await model.get_step() == 1  # refused before anything ran
+
+
+def test_arts_internal_config_becomes_a_model_config():
+    internal = tracerl.dev.InternalModelConfig(
+        init_args=tracerl.dev.InitArgs(max_seq_length=4096),
+        engine_args=tracerl.dev.EngineArgs(enforce_eager=True, gpu_memory_utilization=0.7, max_num_seqs=64,
+                                           enable_prefix_caching=False, tool_call_parser="hermes",
+                                           enable_auto_tool_choice=True),
+        peft_args={"r": 16, "lora_alpha": 32, "target_modules": ["q_proj", "v_proj"]})
+    model = tracerl.TrainableModel(name="m", project="p", base_model="smollm2", _internal_config=internal)
+    engine, lora = model.config.engine, model.config.lora
+    assert (engine.max_model_len, engine.gpu_memory_utilization, engine.max_num_seqs) == (4096, 0.7, 64)
+    assert engine.tool_call_parser == "hermes"
+    assert engine.extra_args == ["--enforce-eager", "--no-enable-prefix-caching"]
+    assert (lora.r, lora.alpha, lora.target_modules) == (16, 32, ["q_proj", "v_proj"])
+
+
+@pytest.mark.parametrize("internal, needle", [
+    ({"init_args": {"load_in_4bit": True}}, "load_in_4bit"),
+    ({"trainer_args": {"learning_rate": 1e-5}}, "trainer_args"),
+    ({"lora_config": {"rank": 8, "use_rslora": True}}, "use_rslora"),
+    ({"engine_args": {"gpu_memory_utilization": 2.0}}, "gpu_memory_utilization"),
+    ({"engine_args": "enforce_eager"}, "must be a dict"),
+])
+def test_internal_config_keys_without_an_equivalent_are_named(internal, needle):
+    with pytest.raises(tracerl.ConfigError, match=needle):
+        tracerl.TrainableModel(name="m", project="p", base_model="smollm2", _internal_config=internal)
+
+
+def test_config_and_internal_config_together_are_refused():
+    with pytest.raises(tracerl.ConfigError, match="not both"):
+        tracerl.TrainableModel(name="m", project="p", base_model="smollm2", config=tracerl.ModelConfig(),
+                               _internal_config={})
+
+
+def test_arts_per_step_config_maps_to_train_config_fields():
+    assert train_options_from_art(tracerl.dev.TrainConfig(
+        epsilon=0.3, epsilon_high=0.4, scale_rewards=False, kl_penalty_coef=0.05,
+        allow_training_without_logprobs=True)) == {
+        "epsilon": 0.3, "epsilon_high": 0.4, "scale_rewards": False, "beta": 0.05}
+    with pytest.raises(tracerl.ConfigError, match="importance_sampling_level"):
+        train_options_from_art({"importance_sampling_level": "sequence"})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from . import dev, utils
 from .core.client import rollout_headers
 from .core.config import EngineConfig, LoraConfig, ModelConfig, TrainConfig
 from .core.context import ContextThreadPoolExecutor, call_tags, current_rollout, rollout_scope
@@ -74,11 +75,13 @@ __all__ = [
     "TrajectoryGroup",
     "call_tags",
     "current_rollout",
+    "dev",
     "gather_trajectories",
     "gather_trajectory_groups",
     "hookimpl",
     "rollout_headers",
     "rollout_scope",
+    "utils",
 ]
 
 

@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Any
 import openai
 
 from . import client as _client
+from .art_config import model_config_from_art, train_options_from_art
 from .config import ModelConfig, TrainConfig
-from .errors import InvalidTrajectoryError, NotRegisteredError
+from .errors import ConfigError, InvalidTrajectoryError, NotRegisteredError
 from .metrics import summarize_groups
 from .plugins import get_plugin_manager
 from .storage import validate_name
@@ -42,12 +43,17 @@ class Model:
     def __init__(self, *, name: str, project: str, entity: str | None = None,
                  base_model: str | None = None, config: ModelConfig | None = None,
                  inference_base_url: str | None = None, inference_api_key: str | None = None,
-                 inference_model_name: str | None = None) -> None:
+                 inference_model_name: str | None = None,
+                 _internal_config: dict[str, Any] | None = None) -> None:
+        """``_internal_config`` takes ART's ``art.dev.InternalModelConfig`` dict instead of ``config``."""
         self.name = validate_name("model", name)
         self.project = validate_name("project", project)
         self.entity = entity
         self.base_model = base_model
-        self.config = config or ModelConfig()
+        if _internal_config is not None and config is not None:
+            raise ConfigError("pass config or ART's _internal_config, not both")
+        self.config = model_config_from_art(_internal_config) if _internal_config is not None else (
+            config or ModelConfig())
         self.inference_base_url = inference_base_url
         self.inference_api_key = inference_api_key
         self.inference_model_name = inference_model_name
@@ -154,9 +160,14 @@ class TrainableModel(Model):
         super().__init__(name=name, project=project, base_model=base_model, **kwargs)
 
     async def train(self, trajectory_groups: Iterable[TrajectoryGroup],
-                    config: TrainConfig | None = None, *, verbose: bool = False) -> dict[str, float]:
-        """Run one GRPO step on the groups; the trajectories are saved first. Returns metrics."""
+                    config: TrainConfig | None = None, _config: dict[str, Any] | None = None, *,
+                    verbose: bool = False) -> dict[str, float]:
+        """Run one GRPO step on the groups; the trajectories are saved first. Returns metrics.
+        ``_config`` takes ART's ``art.dev.TrainConfig`` dict on top of ``config``."""
         config = config or TrainConfig()
+        if _config:
+            config = TrainConfig(**{**config.model_dump(exclude_unset=True),
+                                    **train_options_from_art(_config)})
         groups = _as_groups(trajectory_groups)
         if not groups:
             raise InvalidTrajectoryError("train() got no trajectory groups")

@@ -1,0 +1,106 @@
+"""ART's advanced configuration dicts (``art.dev``) translated into tracerl's typed configs.
+
+``TrainableModel(_internal_config=...)`` and ``model.train(..., _config=...)`` accept what ART
+scripts pass. Keys with an exact tracerl equivalent are mapped; vLLM engine arguments without one
+become vLLM flags (except those tracerl sets itself: model, LoRA, host/port, sleep mode, auto tool
+choice); anything else is refused with a ConfigError naming the key, never silently dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .config import EngineConfig, LoraConfig, ModelConfig
+from .errors import ConfigError
+
+# ART key -> EngineConfig field
+_ENGINE_FIELDS = {"gpu_memory_utilization": "gpu_memory_utilization", "max_model_len": "max_model_len",
+                  "max_num_seqs": "max_num_seqs", "dtype": "dtype", "tool_call_parser": "tool_call_parser"}
+_INIT_FIELDS = {"max_seq_length": "max_model_len", "gpu_memory_utilization": "gpu_memory_utilization",
+                "dtype": "dtype"}
+# flags tracerl sets itself, or that only name the model (its base_model decides)
+_ENGINE_MANAGED = {"model", "served_model_name", "enable_lora", "max_loras", "host", "port",
+                   "enable_auto_tool_choice", "enable_sleep_mode", "logprobs_mode"}
+_LORA_FIELDS = {"rank": "r", "r": "r", "alpha": "alpha", "lora_alpha": "alpha", "dropout": "dropout",
+                "lora_dropout": "dropout", "target_modules": "target_modules"}
+# ART's per-step dev TrainConfig key -> tracerl TrainConfig field
+_TRAIN_FIELDS = {"epsilon": "epsilon", "epsilon_high": "epsilon_high", "scale_rewards": "scale_rewards",
+                 "kl_penalty_coef": "beta"}
+# keys whose ART meaning tracerl always has (so they change nothing here)
+_TRAIN_ALWAYS = {"allow_training_without_logprobs": True, "ppo": True}
+
+
+def _dict(where: str, value: Any) -> Mapping[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where} must be a dict, got {type(value).__name__}")
+    return value
+
+
+def _refuse(where: str, keys: list[str], hint: str) -> None:
+    if keys:
+        raise ConfigError(f"{where}: tracerl has no equivalent for {', '.join(sorted(keys))}; {hint}")
+
+
+def _vllm_flag(name: str, value: Any) -> list[str]:
+    flag = "--" + name.replace("_", "-")
+    if value is True:
+        return [flag]
+    if value is False:
+        return ["--no-" + flag[2:]]
+    if isinstance(value, dict | list):
+        import json
+
+        return [flag, json.dumps(value)]
+    return [flag, str(value)]
+
+
+def model_config_from_art(internal: Mapping[str, Any]) -> ModelConfig:
+    """A :class:`ModelConfig` from ART's ``InternalModelConfig`` dict."""
+    internal = _dict("_internal_config", internal)
+    engine: dict[str, Any] = {}
+    extra_args: list[str] = []
+    init = _dict("_internal_config['init_args']", internal.get("init_args"))
+    for key, value in init.items():
+        if key in _INIT_FIELDS:
+            engine[_INIT_FIELDS[key]] = value
+    _refuse("_internal_config['init_args']", [k for k in init if k not in _INIT_FIELDS],
+            "remove them (Unsloth loading is tracerl's choice on GPUs; quantised loading is not supported)")
+    args = _dict("_internal_config['engine_args']", internal.get("engine_args"))
+    for key, value in args.items():
+        if key in _ENGINE_FIELDS:
+            engine[_ENGINE_FIELDS[key]] = value
+        elif key not in _ENGINE_MANAGED:
+            extra_args += _vllm_flag(key, value)  # any other vLLM engine argument, as its flag
+    engine["extra_args"] = extra_args
+    if "chat_template_path" in internal:
+        engine["chat_template"] = str(internal["chat_template_path"])
+    lora: dict[str, Any] = {}
+    if "peft_args" in internal and "lora_config" in internal:
+        raise ConfigError("_internal_config has both peft_args and lora_config; keep one")
+    lora_key = "lora_config" if "lora_config" in internal else "peft_args"
+    lora_args = _dict(f"_internal_config[{lora_key!r}]", internal.get(lora_key))
+    for key, value in lora_args.items():
+        if key in _LORA_FIELDS:
+            lora[_LORA_FIELDS[key]] = value
+    _refuse(f"_internal_config[{lora_key!r}]", [k for k in lora_args if k not in _LORA_FIELDS],
+            "tracerl trains a plain LoRA (rank, alpha, dropout, target_modules)")
+    handled = {"init_args", "engine_args", "chat_template_path", "peft_args", "lora_config"}
+    _refuse("_internal_config", [k for k in internal if k not in handled],
+            "set the TrainConfig per step, and ModelConfig(engine=EngineConfig(...)) for serving")
+    try:
+        return ModelConfig(engine=EngineConfig(**engine), lora=LoraConfig(**lora))
+    except ValueError as e:
+        raise ConfigError(f"_internal_config: {e}") from None
+
+
+def train_options_from_art(options: Mapping[str, Any]) -> dict[str, Any]:
+    """TrainConfig field updates from ART's per-step ``_config`` (``art.dev.TrainConfig``) dict."""
+    options = _dict("_config", options)
+    update = {_TRAIN_FIELDS[k]: v for k, v in options.items() if k in _TRAIN_FIELDS}
+    unknown = [k for k, v in options.items()
+               if k not in _TRAIN_FIELDS and not (k in _TRAIN_ALWAYS and v == _TRAIN_ALWAYS[k])]
+    _refuse("_config", unknown, "see tracerl.TrainConfig for what a step can set")
+    return update
