@@ -205,6 +205,26 @@ def test_arts_internal_config_becomes_a_model_config():
     assert (lora.r, lora.alpha, lora.target_modules) == (16, 32, ["q_proj", "v_proj"])
 
 
+@pytest.mark.vllm
+def test_engine_args_become_flags_that_vllm_parses():
+    import subprocess
+
+    from tracerl.backend.engines.vllm_engine import VLLMEngine, vllm_python
+
+    if not VLLMEngine.available():
+        pytest.skip("needs vLLM (TRACERL_VLLM_PYTHON)")
+    flags = tracerl.TrainableModel(name="m", project="p", base_model="smollm2", _internal_config={
+        "engine_args": {"enforce_eager": False, "enable_prefix_caching": False, "max_num_batched_tokens": 4096}}).config.engine.extra_args
+    parse = ("import sys, json\n"
+             "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+             "from vllm.engine.arg_utils import AsyncEngineArgs\n"
+             "a = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(sys.argv[1:])\n"
+             "print(json.dumps([a.enforce_eager, a.enable_prefix_caching, a.max_num_batched_tokens]))")
+    out = subprocess.run([str(vllm_python()), "-c", parse, "--model", "x", *flags], capture_output=True,
+                         text=True, timeout=300, check=True).stdout
+    assert json.loads(out.strip().splitlines()[-1]) == [False, False, 4096]
+
+
 @pytest.mark.parametrize("internal, needle", [
     ({"init_args": {"load_in_4bit": True}}, "load_in_4bit"),
     ({"trainer_args": {"learning_rate": 1e-5}}, "trainer_args"),
