@@ -3,6 +3,7 @@
 import asyncio
 import os
 import signal
+import time
 
 import httpx2
 import pytest
@@ -181,8 +182,13 @@ async def test_a_stalled_vllm_is_waited_for_not_restarted(tmp_path):
                 await asyncio.sleep(8)  # health checks fail meanwhile
             finally:
                 os.killpg(pid, signal.SIGCONT)
-            r = await http.post("/chat/completions", json=body)
+            # a resumed engine first finishes what froze with it: on a loaded 2-core machine the
+            # next call can still miss the 2 s deadline, so the same engine gets a minute to answer
+            deadline = time.monotonic() + 60
+            while (r := await http.post("/chat/completions", json=body)).status_code == 504:
+                assert time.monotonic() < deadline, r.text
+                await asyncio.sleep(1)
             assert r.status_code == 200, r.text
-        assert engine.process.pid == pid and engine.alive()
+        assert engine.process.pid == pid and engine.alive()  # waited for, never restarted
     finally:
         await backend.close()
