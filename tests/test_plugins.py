@@ -46,6 +46,25 @@ def test_third_party_entry_point_is_discovered_and_listed(plugin_site):
     assert "engines: " in out.stdout and "transformers" in out.stdout
 
 
+def test_hook_reference_lists_every_hookspec_and_its_implementers(plugin_site):
+    from tracerl.core import hookspecs
+
+    specs = [n for n, f in vars(hookspecs).items() if hasattr(f, "tracerl_spec")]
+    reference = plugins.hook_reference()
+    assert [h.name for h in reference] == specs and len(specs) >= 9
+    assert all(h.doc for h in reference)  # every hook is documented where it is declared
+    by_name = {h.name: h for h in reference}
+    assert by_name["tracerl_score_group"].first_result and "ruler" in by_name["tracerl_score_group"].implemented_by
+    assert by_name["tracerl_on_llm_call"].signature == "tracerl_on_llm_call(call: LLMCall) -> None"
+
+    out = subprocess.run([sys.executable, "-m", "tracerl.core.cli", "hooks"], capture_output=True, text=True,
+                         env={**__import__("os").environ, "PYTHONPATH": f"{plugin_site}:{ROOT}"})
+    assert out.returncode == 0, out.stderr
+    assert all(name in out.stdout for name in specs)
+    score_section = out.stdout.split("tracerl_score_group(")[1].split("\n\n")[0]
+    assert "example_judge" in score_section and "[first result wins]" in score_section
+
+
 def test_third_party_judge_and_logger_hooks_run(plugin_site):
     out = run_py("""
         import asyncio, tracerl

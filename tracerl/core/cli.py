@@ -26,6 +26,21 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_hooks(args: argparse.Namespace) -> int:
+    import textwrap
+
+    from .hookspecs import HOOKSPEC_VERSION
+    from .plugins import hook_reference
+
+    print(f"tracerl plugin API {HOOKSPEC_VERSION}: implement these in a module decorated with "
+          "@tracerl.hookimpl (any subset of each hook's arguments)")
+    for hook in hook_reference():
+        print(f"\n{hook.signature}" + ("  [first result wins]" if hook.first_result else ""))
+        print(textwrap.indent(hook.doc, "    "))
+        print(f"    implemented by: {', '.join(hook.implemented_by) or 'no loaded plugin'}")
+    return 0
+
+
 def _cmd_prepare_model(args: argparse.Namespace) -> int:
     from ..backend.weights import resolve_base_model
 
@@ -95,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plugins", help="list loaded plugins, engines and backends")
     p.add_argument("-v", "--verbose", action="store_true", help="show each plugin's hooks")
     p.set_defaults(func=_cmd_plugins)
+
+    p = sub.add_parser("hooks", help="the plugin API: every hook, its arguments and who implements it")
+    p.set_defaults(func=_cmd_hooks)
 
     p = sub.add_parser("prepare-model", help="resolve/convert a base model and print its folder")
     p.add_argument("base_model", nargs="?", default="smollm2")

@@ -124,6 +124,43 @@ def list_plugins() -> list[PluginInfo]:
     return sorted(out, key=lambda p: p.name)
 
 
+@dataclass(frozen=True)
+class HookDoc:
+    """One hook of the plugin API, as a plugin author needs it."""
+
+    name: str
+    signature: str
+    doc: str
+    first_result: bool
+    implemented_by: list[str]
+
+
+def _signature(name: str, fn: Any) -> str:
+    """``name(arg: Type, ...) -> Type`` from the (postponed, so textual) annotations."""
+    sig = inspect.signature(fn)
+    params = ", ".join(p.name if p.annotation is inspect.Parameter.empty else f"{p.name}: {p.annotation}"
+                       for p in sig.parameters.values())
+    return f"{name}({params}) -> {sig.return_annotation}"
+
+
+def hook_reference() -> list[HookDoc]:
+    """Every hook in :mod:`tracerl.core.hookspecs`, in source order, with the plugins that
+    implement it now."""
+    pm = get_plugin_manager()
+    out = []
+    for name, fn in vars(hookspecs).items():
+        spec = getattr(fn, f"{hookspecs.PROJECT}_spec", None)
+        if spec is None:
+            continue
+        callers = pm.hook.__dict__.get(name)
+        implementers = sorted({pm.get_name(impl.plugin) or "?" for impl in callers.get_hookimpls()}
+                              if callers is not None else set())
+        out.append(HookDoc(name=name, signature=_signature(name, fn),
+                           doc=inspect.cleandoc(fn.__doc__ or ""),
+                           first_result=bool(spec.get("firstresult")), implemented_by=implementers))
+    return out
+
+
 def collect_classes(hook_name: str) -> dict[str, type]:
     """Gather the classes returned by a list-returning hook (engines, backends), keyed by name."""
     pm = get_plugin_manager()
