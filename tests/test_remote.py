@@ -121,6 +121,10 @@ def test_requests_without_the_key_or_with_bad_input_are_rejected(server):
             ({"name": "ok", "project": "tests", "base_model": "smollm2", "config": {"lora": {"r": -1}}},
              "invalid model config"),
             ({"name": "ok", "project": "tests", "base_model": "smollm2", "shell": "rm"}, "unknown registration"),
+            ({"name": "ok", "project": "tests", "base_model": "smollm2",
+              "config": {"engine": {"chat_template": "/etc/passwd"}}}, "not a file on the server"),
+            ({"name": "ok", "project": "tests", "base_model": "smollm2",
+              "config": {"engine": {"extra_args": ["--chat-template", "/etc/passwd"]}}}, "--allow-engine-args"),
         ]
         for body, message in bad_registrations:
             r = post("/api/v1/models", json=body)
@@ -241,3 +245,15 @@ async def test_kill_9_mid_step_then_restart_loses_nothing(tmp_path):
     finally:
         await backend.close()
         srv.stop()
+
+
+def test_client_engine_configs_name_built_ins_and_flags_need_the_operators_consent():
+    from tracerl.backend.control_api import ControlServer
+
+    built_in = tracerl.ModelConfig(engine=tracerl.EngineConfig(chat_template="chatml-tools"))
+    flags = tracerl.ModelConfig(engine=tracerl.EngineConfig(extra_args=["--enforce-eager"]))
+    strict, trusting = ControlServer(None), ControlServer(None, allow_engine_args=True)
+    strict._check_client_engine_config(built_in)
+    trusting._check_client_engine_config(flags)
+    with pytest.raises(tracerl.ConfigError, match="--allow-engine-args"):
+        strict._check_client_engine_config(flags)

@@ -47,9 +47,10 @@ class ControlServer:
 
     def __init__(self, backend: Any, *, max_upload_bytes: int = 256 * 1024 * 1024,
                  max_queued: int = 4, heartbeat_s: float = 5.0,
-                 base_models: dict[str, str] | None = None) -> None:
+                 base_models: dict[str, str] | None = None, allow_engine_args: bool = False) -> None:
         self.backend = backend
         self.base_models = dict(base_models or {})
+        self.allow_engine_args = allow_engine_args
         self.max_upload_bytes = max_upload_bytes
         self.models: dict[str, Model] = {}
         self.queue = TrainQueue(backend, max_queued=max_queued, heartbeat_s=heartbeat_s)
@@ -89,8 +90,23 @@ class ControlServer:
             config = ModelConfig.model_validate(definition.get("config") or {})
         except ValueError as e:
             raise ConfigError(f"invalid model config: {e}") from None
+        self._check_client_engine_config(config)
         return await self._add(definition.get("name"), definition.get("project"), source,
                                bool(definition.get("trainable", True)), config)
+
+    def _check_client_engine_config(self, config: ModelConfig) -> None:
+        """A client's config must not reach the server's filesystem: chat templates by built-in
+        name only, and vLLM flags (which can name paths) only where the operator allows them."""
+        from .chat_template import BUILTIN_TEMPLATES
+
+        template = config.engine.chat_template
+        if template is not None and template not in BUILTIN_TEMPLATES:
+            raise ConfigError(f"chat_template {template!r}: remote clients may name a built-in template "
+                              f"({', '.join(sorted(BUILTIN_TEMPLATES))}), not a file on the server")
+        if config.engine.extra_args and not self.allow_engine_args:
+            raise ConfigError("engine extra_args (vLLM flags, which can name server paths) are refused "
+                              "from remote clients; the operator allows them with "
+                              "`tracerl serve --allow-engine-args`")
 
     async def _add(self, name: Any, project: Any, base_model: str, trainable: bool,
                    config: ModelConfig) -> Model:

@@ -33,7 +33,7 @@ def parse_base_models(items: list[str]) -> dict[str, str]:
 def serve(*, host: str, port: int, path: str, api_key: str | None, engine: str | None = None,
           plugins: list[str] = (), base_models: dict[str, str] | None = None,
           max_upload_bytes: int = 256 * 1024 * 1024, max_queued: int = 4,
-          heartbeat_s: float = 5.0) -> int:
+          heartbeat_s: float = 5.0, allow_engine_args: bool = False) -> int:
     """Serve until SIGTERM or Ctrl-C. Models registered earlier in ``path`` are served again."""
     if host not in LOOPBACK and not api_key:
         raise ConfigError(f"serving on {host} needs an API key (set TRACERL_API_KEY); "
@@ -45,7 +45,8 @@ def serve(*, host: str, port: int, path: str, api_key: str | None, engine: str |
         register_plugin(importlib.import_module(module), name=module)
     backend = LocalBackend(path=path, host=host, port=port, api_key=api_key, engine=engine)
     control = ControlServer(backend, max_upload_bytes=max_upload_bytes, max_queued=max_queued,
-                            heartbeat_s=heartbeat_s, base_models=base_models)
+                            heartbeat_s=heartbeat_s, base_models=base_models,
+                            allow_engine_args=allow_engine_args)
     control.install(backend.gateway.app, backend.gateway.check_auth)
     url = backend.base_url.removesuffix("/v1")
     print(f"tracerl serve: listening on {url} (data in {Path(path).resolve()})", flush=True)

@@ -100,7 +100,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             raise ConfigError(f"--api-key-file: {e}") from None
     return serve(host=args.host, port=args.port, path=args.path, api_key=api_key, engine=args.engine,
                  plugins=args.plugin, base_models=parse_base_models(args.base_model),
-                 max_upload_bytes=args.max_upload_mb * 1024 * 1024, max_queued=args.max_queued)
+                 max_upload_bytes=args.max_upload_mb * 1024 * 1024, max_queued=args.max_queued,
+                 allow_engine_args=args.allow_engine_args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="import MODULE and register it as a plugin (repeatable)")
     p.add_argument("--max-upload-mb", type=int, default=256, help="largest train/log upload")
     p.add_argument("--max-queued", type=int, default=4, help="training requests allowed to wait")
+    p.add_argument("--allow-engine-args", action="store_true",
+                   help="let clients pass vLLM flags (EngineConfig.extra_args); they can name server paths")
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("proxy", help="run a LiteLLM proxy in front of a tracerl gateway")
