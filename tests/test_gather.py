@@ -168,3 +168,17 @@ async def test_200_concurrent_rollouts_keep_their_context_and_calls_apart():
             assert s["header"] == me
             assert s["path"] == f"/rollouts/{me}/v1/chat/completions"
     assert tracerl.current_rollout() is None
+
+
+async def test_progress_shows_mean_reward_metrics_and_takes_arts_bar_arguments(capsys):
+    async def scored(reward, correct, length):
+        await asyncio.sleep(0)
+        return traj(reward, metrics={"correct": correct, "length": length})
+
+    groups = await tracerl.gather_trajectory_groups(
+        [tracerl.TrajectoryGroup([scored(1.0, True, 10), scored(0.0, False, 30)])],
+        pbar_desc=None, pbar_total_completion_tokens=True, max_metrics=1)
+    assert [t.reward for t in groups[0]] == [1.0, 0.0]
+    bar = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert "reward=0.500" in bar and "correct=0.5" in bar
+    assert "length" not in bar  # max_metrics=1 shows the first metric only

@@ -10,6 +10,7 @@ import asyncio
 import contextvars
 import math
 import sys
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,12 +34,16 @@ class GatherContext:
     total: int
     max_exceptions: int | float = 0
     rollout_timeout: float | None = DEFAULT_ROLLOUT_TIMEOUT_S
-    desc: str = "gather"
+    desc: str | None = "gather"
     show_progress: bool = True
+    max_metrics: int | None = None
     done: int = 0
     exceptions: list[RolloutException] = field(default_factory=list)
     reward_sum: float = 0.0
     rewarded: int = 0
+    metric_sums: Counter[str] = field(default_factory=Counter)
+    metric_counts: Counter[str] = field(default_factory=Counter)
+    completion_tokens: int = 0
     _bar: Any = None
 
     def __post_init__(self) -> None:
@@ -59,14 +64,27 @@ class GatherContext:
         if trajectory is not None:
             self.reward_sum += trajectory.reward
             self.rewarded += 1
+            self.metric_sums.update(trajectory.metrics)
+            self.metric_counts.update(trajectory.metrics.keys())
+            self.completion_tokens += sum(len(c.token_ids) for call in trajectory.llm_calls
+                                          for c in call.completions)
         if exc is not None:
             self.exceptions.append(exc)
         if self._bar is not None:
-            postfix = {"reward": f"{self.reward_sum / max(self.rewarded, 1):.3f}"}
-            if self.exceptions:
-                postfix["exceptions"] = str(len(self.exceptions))
-            self._bar.set_postfix(postfix, refresh=False)
+            self._bar.set_postfix(self.postfix(), refresh=False)
             self._bar.update(1)
+
+    def postfix(self) -> dict[str, str]:
+        """What the progress bar shows: mean reward, mean metrics (the first ``max_metrics``),
+        failures, and the completion tokens recorded so far."""
+        out = {"reward": f"{self.reward_sum / max(self.rewarded, 1):.3f}"}
+        names = list(self.metric_sums)[:self.max_metrics] if self.max_metrics is not None else self.metric_sums
+        out.update({name: f"{self.metric_sums[name] / self.metric_counts[name]:.3g}" for name in names})
+        if self.exceptions:
+            out["exceptions"] = str(len(self.exceptions))
+        if self.completion_tokens:
+            out["completion_tokens"] = str(self.completion_tokens)
+        return out
 
     def check_exceptions(self) -> None:
         if len(self.exceptions) > self.allowed_exceptions:
@@ -230,8 +248,10 @@ async def _await_group(group: Any, index: int, after_each: AfterEach | None) -> 
 async def gather_trajectory_groups(
     groups: Iterable[Awaitable[TrajectoryGroup]],
     *,
-    pbar_desc: str = "gather",
+    pbar_desc: str | None = "gather",
+    pbar_total_completion_tokens: bool = False,
     max_exceptions: int | float = 0,
+    max_metrics: int | None = None,
     after_each: AfterEach | None = None,
     rollout_timeout: float | None = DEFAULT_ROLLOUT_TIMEOUT_S,
     show_progress: bool = True,
@@ -242,12 +262,15 @@ async def gather_trajectory_groups(
     0.1) before the whole gather fails with :class:`TooManyExceptionsError`; failed rollouts are
     kept in ``group.exceptions``. ``after_each`` gets each finished group (e.g. a RULER judge) and
     returns the group to keep, a list of groups, or None to drop it. ``rollout_timeout`` bounds
-    every rollout (None: no bound).
+    every rollout (None: no bound). The progress bar shows the mean reward, the mean of each
+    metric (the first ``max_metrics``) and the completion tokens recorded so far (always, so
+    ART's ``pbar_total_completion_tokens`` is accepted and changes nothing).
     """
+    del pbar_total_completion_tokens
     groups = list(groups)
     total = sum(len(g) if isinstance(g, PendingTrajectoryGroup) else 1 for g in groups)
-    gather = GatherContext(total=total, max_exceptions=max_exceptions,
-                           rollout_timeout=rollout_timeout, desc=pbar_desc, show_progress=show_progress)
+    gather = GatherContext(total=total, max_exceptions=max_exceptions, rollout_timeout=rollout_timeout,
+                           desc=pbar_desc, show_progress=show_progress, max_metrics=max_metrics)
     token = _gather_ctx.set(gather)
     tasks = [asyncio.create_task(_await_group(g, i, after_each)) for i, g in enumerate(groups)]
     try:
