@@ -82,17 +82,22 @@ class _GatewayThread:
 
 
 class LocalBackend(Backend):
-    """Serve and train models on this machine."""
+    """Serve and train models on this machine.
+
+    ART's ``in_process`` is accepted for ported scripts: here the gateway and trainer always run
+    in this process and vLLM in a subprocess of its own, whichever value it has."""
 
     name = "local"
 
-    def __init__(self, *, path: str | Path = ".tracerl", host: str = "127.0.0.1", port: int = 0,
-                 api_key: str | None = None, engine: str | None = None) -> None:
+    def __init__(self, *, path: str | Path | None = None, host: str = "127.0.0.1", port: int = 0,
+                 api_key: str | None = None, engine: str | None = None,
+                 in_process: bool = False) -> None:
         from .gateway import Gateway
 
+        del in_process
         if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
             raise ConfigError(f"binding the gateway to {host} needs an api_key (loopback is the default)")
-        self.path = Path(path)
+        self.path = Path(path if path is not None else ".tracerl")
         self.host, self.port = host, port
         self.api_key = api_key
         self.engine_override = engine
