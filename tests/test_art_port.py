@@ -250,3 +250,11 @@ def test_arts_per_step_config_maps_to_train_config_fields():
         "epsilon": 0.3, "epsilon_high": 0.4, "scale_rewards": False, "beta": 0.05}
     with pytest.raises(tracerl.ConfigError, match="importance_sampling_level"):
         train_options_from_art({"importance_sampling_level": "sequence"})
+
+
+async def test_local_backend_takes_arts_arguments(tmp_path, monkeypatch):
+    from tracerl.local import LocalBackend
+
+    monkeypatch.chdir(tmp_path)
+    async with LocalBackend(path=None, in_process=True) as backend:
+        assert backend.path.resolve() == (tmp_path / ".tracerl").resolve()
