@@ -258,3 +258,21 @@ async def test_local_backend_takes_arts_arguments(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     async with LocalBackend(path=None, in_process=True) as backend:
         assert backend.path.resolve() == (tmp_path / ".tracerl").resolve()
+
+
+async def test_litellm_completion_params_reach_the_gateway_and_attribute_the_call(tf_backend):
+    import litellm
+
+    _, model = tf_backend
+    messages = [{"role": "user", "content": "Say hi."}]
+    with tracerl.rollout_scope() as rollout:
+        params = model.litellm_completion_params()
+        response = await litellm.acompletion(messages=messages, max_tokens=3, **params)
+    assert params["model"] == f"hosted_vllm/{model.name}" and params["temperature"] == 1
+    (call,) = await model.fetch_calls(rollout.rollout_id)
+    assert call.completions[0].text == response.choices[0].message.content
+    assert call.prompt_token_ids and call.temperature == 1.0
+    assert model.litellm_completion_params(step=0)["model"] == f"hosted_vllm/{model.name}@0"
+    external = tracerl.Model(name="baseline", project="tests", inference_model_name="openai/gpt-4o-mini",
+                             inference_base_url="https://api.openai.com/v1", inference_api_key="k")
+    assert external.litellm_completion_params()["model"] == "openai/gpt-4o-mini"

@@ -12,6 +12,7 @@ import openai
 from . import client as _client
 from .art_config import model_config_from_art, train_options_from_art
 from .config import ModelConfig, TrainConfig
+from .context import current_rollout
 from .errors import ConfigError, InvalidTrajectoryError, NotRegisteredError
 from .metrics import summarize_groups
 from .plugins import get_plugin_manager
@@ -91,6 +92,23 @@ class Model:
         """The served model name: ``name`` (newest step) or ``name@step``."""
         base = self.inference_model_name or self.name
         return base if step is None else f"{base}@{step}"
+
+    def litellm_completion_params(self, step: int | None = None) -> dict[str, Any]:
+        """ART's keyword arguments for ``litellm.(a)completion``. Read them inside the rollout:
+        they carry its id, so the gateway records the call under it. (With
+        ``TracerlLiteLLMLogger``, ``tracerl.integrations.litellm.completion_kwargs`` adds spans.)"""
+        base_url, api_key = self._endpoint()
+        name = self.get_inference_name(step)
+        params: dict[str, Any] = {
+            # served by a tracerl gateway (vLLM's API); an external model keeps its own prefix
+            "model": f"hosted_vllm/{name}" if self._backend is not None else name,
+            "base_url": base_url, "api_key": api_key,
+            "temperature": 1,  # the trained policy is the one sampled at temperature 1
+            "num_retries": 0,  # a retry would record the call twice
+        }
+        if current_rollout() is not None:
+            params["extra_headers"] = _client.rollout_headers(self)
+        return params
 
     def openai_client(self, **kwargs: Any) -> openai.AsyncOpenAI:
         """An AsyncOpenAI client for this model's endpoint, attributing calls to the current
