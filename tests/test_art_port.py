@@ -71,7 +71,7 @@ def test_limit_concurrency_caps_calls_per_key_across_event_loops():
     for _ in range(2):  # a second event loop: a module-level semaphore would fail here
         assert sorted(asyncio.run(burst())) == sorted(list(range(10)) * 2)
     assert peak == {"a": 2, "b": 2}
-    with pytest.raises(ValueError, match="n >= 1"):
+    with pytest.raises(ValueError, match="n must be an integer >= 1"):
         limit_concurrency(0)
     with pytest.raises(TypeError, match="async functions"):
         limit_concurrency(1)(lambda: None)

@@ -8,6 +8,7 @@ choice); anything else is refused with a ConfigError naming the key, never silen
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -51,8 +52,6 @@ def _vllm_flag(name: str, value: Any) -> list[str]:
     if value is False:
         return ["--no-" + flag[2:]]
     if isinstance(value, dict | list):
-        import json
-
         return [flag, json.dumps(value)]
     return [flag, str(value)]
 

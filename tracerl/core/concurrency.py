@@ -14,6 +14,8 @@ import weakref
 from collections.abc import Awaitable, Callable, Hashable
 from typing import ParamSpec, TypeVar
 
+from .validated import check_int
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -22,8 +24,7 @@ def limit_concurrency(n: int, derive_key: Callable[..., Hashable] | None = None
                       ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R]]]:
     """Decorate an async function so at most ``n`` calls run at once; with ``derive_key``
     (called with the function's arguments), the limit applies per key."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"limit_concurrency needs an integer n >= 1, got {n!r}")
+    check_int("limit_concurrency's n", n, 1)
 
     def decorate(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
         if not inspect.iscoroutinefunction(fn):

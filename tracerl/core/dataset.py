@@ -16,6 +16,8 @@ from typing import Generic, TypeVar
 
 from tqdm.auto import tqdm
 
+from .validated import check_int
+
 T = TypeVar("T")
 
 
@@ -36,20 +38,14 @@ def epoch_order(size: int, epoch: int, seed: int = 0) -> list[int]:
     return order
 
 
-def _positive_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
 def iterate_dataset(dataset: Sequence[T] | Iterable[T], groups_per_step: int = 1,
                     num_epochs: int = 1, initial_step: int = 0, use_tqdm: bool = True, *,
                     seed: int = 0, shuffle: bool = True) -> Iterator[DatasetBatch[T]]:
     """Yield ``groups_per_step`` items per step, every item once per epoch (the last batch of an
     epoch may be smaller), starting at global step ``initial_step``."""
-    groups_per_step = _positive_int("groups_per_step", groups_per_step, 1)
-    num_epochs = _positive_int("num_epochs", num_epochs, 1)
-    initial_step = _positive_int("initial_step", initial_step, 0)
+    groups_per_step = check_int("groups_per_step", groups_per_step, 1)
+    num_epochs = check_int("num_epochs", num_epochs, 1)
+    initial_step = check_int("initial_step", initial_step, 0)
     items: Sequence[T] = dataset if isinstance(dataset, Sequence) else list(dataset)
     if len(items) == 0:
         raise ValueError("iterate_dataset needs at least one item; the dataset is empty")

@@ -36,6 +36,13 @@ class Validated(BaseModel):
         return self.model_dump_json()
 
 
+def check_int(name: str, value: object, minimum: int) -> int:
+    """``value`` if it is an integer (not a bool) >= ``minimum``, else a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
 def check_json(name: str, value: dict[str, Any]) -> dict[str, Any]:
     """``value`` unchanged if it serialises to strict JSON, else an error naming ``name``."""
     try:
