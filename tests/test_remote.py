@@ -79,7 +79,8 @@ async def test_train_log_history_and_retention_over_http(server, remote_model):
     assert history[1]["accuracy"] == 0.5 and len(read_groups_jsonl(store.trajectories_path("val", 1))) == 1
 
     await model.train(groups, config=tracerl.TrainConfig(learning_rate=1e-3))
-    assert await model.delete_checkpoints(keep_last=1) == [1]
+    assert await model.delete_checkpoints(keep_last=1) == []  # step 1 has the best val/reward
+    assert await model.delete_checkpoints(None, keep_last=1) == [1]
     assert store.checkpoint_steps() == [2]
     assert await model.backend.pending_groups(model) == []
 

@@ -49,14 +49,20 @@ async def test_train_step_saves_checkpoint_and_serves_it(tf_backend):
     (call,) = await model.fetch_calls(ro.rollout_id)
     assert call.adapter_step == 1
 
+    def evaluated(reward):
+        return [tracerl.TrajectoryGroup([tracerl.Trajectory(messages_and_choices=[], reward=reward)] * 2)]
+
+    await model.log(evaluated(0.9), split="val", metrics={"accuracy": 0.1})  # step 1 evaluates best
     # zero-variance groups are skipped visibly, and nothing is trained
     same = tracerl.TrajectoryGroup([tracerl.Trajectory(messages_and_choices=[], reward=1.0)] * 2)
     skipped = await model.train([same])
     assert skipped["skipped"] == 1.0 and skipped["skipped_groups"] == 1.0
     assert await model.get_step() == 2
+    await model.log(evaluated(0.2), split="val", metrics={"accuracy": 0.5})
 
-    deleted = await model.delete_checkpoints(keep_last=1)
-    assert deleted == [1] and store.checkpoint_steps() == [2]
+    assert await model.delete_checkpoints(keep_last=1) == []  # ART's default: the best val/reward stays
+    assert await model.delete_checkpoints("accuracy", keep_last=1) == [1]  # best in split "val": step 2
+    assert store.checkpoint_steps() == [2]
 
 
 async def test_train_rejects_bad_input(tf_backend):

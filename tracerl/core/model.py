@@ -197,13 +197,17 @@ class TrainableModel(Model):
                     f"{k}={v:.4g}" for k, v in progress.items()), file=sys.stderr)
         return final
 
-    async def delete_checkpoints(self, best_checkpoint_metric: str | None = None,
+    async def delete_checkpoints(self, best_checkpoint_metric: str | None = "val/reward",
                                  *, split: str = "val", keep_last: int = 1) -> list[int]:
-        """Keep the newest ``keep_last`` checkpoints (and the best by ``best_checkpoint_metric``
-        in ``split``); delete the rest. Returns the deleted steps."""
+        """Keep the newest ``keep_last`` checkpoints and the one whose logged metric is highest;
+        delete the rest. Returns the deleted steps. ``best_checkpoint_metric`` is ART's
+        ``"split/metric"`` (default ``"val/reward"``), or a metric name looked up in ``split``;
+        None keeps only the newest."""
         latest = await self.get_step()
         keep = {s for s in range(max(latest - keep_last + 1, 0), latest + 1)}
         if best_checkpoint_metric:
+            if "/" in best_checkpoint_metric:
+                split, best_checkpoint_metric = best_checkpoint_metric.split("/", 1)
             scored = [h for h in await self.history()
                       if h.get("split") == split and best_checkpoint_metric in h]
             if scored:
