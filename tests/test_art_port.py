@@ -276,3 +276,10 @@ async def test_litellm_completion_params_reach_the_gateway_and_attribute_the_cal
     external = tracerl.Model(name="baseline", project="tests", inference_model_name="openai/gpt-4o-mini",
                              inference_base_url="https://api.openai.com/v1", inference_api_key="k")
     assert external.litellm_completion_params()["model"] == "openai/gpt-4o-mini"
+
+
+def test_train_config_takes_arts_kl_names():
+    assert tracerl.TrainConfig(learning_rate=1e-5, kl_penalty_coef=0.05).beta == 0.05
+    assert tracerl.TrainConfig(kl_penalty_source="current_learner").beta == 0.0
+    with pytest.raises(ValueError, match="kl_penalty_source"):
+        tracerl.TrainConfig(kl_penalty_source="sample")  # KL at the sampled logprobs: not offered

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 from .errors import ConfigError
 
@@ -17,7 +17,12 @@ class TrainConfig(_Strict):
     """Hyper-parameters of one GRPO training step (ART-compatible names)."""
 
     learning_rate: float = Field(5e-6, gt=0, le=1.0)
-    beta: float = Field(0.0, ge=0, description="KL coefficient against the base model (0 = off)")
+    beta: float = Field(0.0, ge=0, validation_alias=AliasChoices("beta", "kl_penalty_coef"),
+                        description="KL coefficient against the base model (0 = off); ART's "
+                        "kl_penalty_coef is accepted as its name too")
+    kl_penalty_source: Literal["current_learner"] = Field(
+        "current_learner", description="ART's name for where the KL term's policy logprobs come "
+        "from: the model being trained (TRL's way, the only one here)")
     kl_bias_correction: bool = Field(
         True, description="weight the KL term by the importance ratio (unbiased reverse KL, as TRL)")
     epsilon: float = Field(0.2, gt=0, description="lower clip range of the importance ratio")
