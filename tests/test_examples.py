@@ -13,7 +13,8 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["langgraph_react_agent.py", "openai_agents_handoff.py", "litellm_proxy_agent.py"])
+@pytest.mark.parametrize("script", ["train_existing_agent.py", "langgraph_react_agent.py", "openai_agents_handoff.py",
+                                    "litellm_proxy_agent.py"])
 def test_example_trains_a_step(script, tmp_path):
     if script.startswith("litellm") and not os.environ.get("TRACERL_LITELLM_PYTHON"):
         pytest.skip("TRACERL_LITELLM_PYTHON is not set")
