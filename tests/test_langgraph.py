@@ -169,3 +169,18 @@ async def test_handler_outside_rollouts(agent_model):
     with tracerl.rollout_scope() as ro:
         await llm.ainvoke("hi", config={"callbacks": [TracerlCallbackHandler()]})
     assert [s.kind for s in ro.spans] == ["llm"]
+
+
+async def test_art_style_init_chat_model_takes_its_model_from_wrap_rollout(agent_model):
+    from tracerl import langgraph as art_langgraph
+
+    async def my_agent(text: str) -> float:
+        llm = art_langgraph.init_chat_model(temperature=0, max_tokens=4)  # ART: no model here
+        named = art_langgraph.init_chat_model("any-name", temperature=0, max_tokens=4)
+        replies = [await chat.ainvoke([{"role": "user", "content": text}]) for chat in (llm, named)]
+        return float(all(r.content for r in replies))
+
+    traj = await art_langgraph.wrap_rollout(agent_model, my_agent)("Say yes")
+    assert [call.model for call in traj.llm_calls] == [agent_model.name] * 2
+    with pytest.raises(TypeError, match="wrap_rollout"):
+        art_langgraph.init_chat_model(temperature=0)

@@ -141,14 +141,25 @@ on_rollout_enter(_enable_in_rollout)
 
 # --- chat model and rollouts ------------------------------------------------------------------
 
-def init_chat_model(model: Any, **kwargs: Any) -> Any:
+_WRAPPED_MODEL: contextvars.ContextVar[Any] = contextvars.ContextVar("tracerl_wrapped_model", default=None)
+
+
+def init_chat_model(model: Any = None, **kwargs: Any) -> Any:
     """A ``langchain_openai.ChatOpenAI`` served by ``model``'s backend (register it first).
 
     Calls are attributed to the current rollout when they are sent, so one chat model (and
     one compiled graph using it) can serve any number of concurrent rollouts. Extra keyword
-    arguments go to ``ChatOpenAI`` (temperature, max_tokens, ...).
+    arguments go to ``ChatOpenAI`` (temperature, max_tokens, ...). As in ART, inside
+    :func:`wrap_rollout` ``model`` may be left out or be a name: the wrapped model serves it.
     """
     from langchain_openai import ChatOpenAI
+
+    if model is None or isinstance(model, str):
+        wrapped = _WRAPPED_MODEL.get()
+        if wrapped is None:
+            raise TypeError("init_chat_model() needs a tracerl model, or must run inside "
+                            "wrap_rollout(model, fn), which supplies it")
+        model = wrapped
 
     base_url, api_key = model._endpoint()
     kwargs.setdefault("max_retries", 0)  # a retry would record the call twice
@@ -169,7 +180,11 @@ def wrap_rollout(model: Any, fn: Callable[..., Awaitable[Any]]) -> Callable[...,
     """
     async def rollout(*args: Any, **kwargs: Any) -> Trajectory:
         async def run() -> Trajectory:
-            result = await fn(*args, **kwargs)
+            token = _WRAPPED_MODEL.set(model)  # init_chat_model() inside fn serves this model
+            try:
+                result = await fn(*args, **kwargs)
+            finally:
+                _WRAPPED_MODEL.reset(token)
             if isinstance(result, Trajectory):
                 return result
             reward, metrics = _split_reward(result)
