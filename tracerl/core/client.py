@@ -3,11 +3,18 @@
 The rollout is read when the request is sent, not when the client is made, so one client can
 be shared by any number of concurrent rollouts. Requests get the path form
 ``/rollouts/{id}/v1/...`` and the ``x-rollout-id`` header.
+
+Async clients made inside an event loop use aiohttp when it is installed (httpx's pool scans
+every connection per request: at 256 concurrent rollouts that costs the client 1.6x its rate,
+BENCHMARKS.md) and close themselves when that loop shuts down.
 """
 
 from __future__ import annotations
 
+import asyncio
+import importlib.util
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx2  # noqa: F401 - openai's transport: imported once, before rollouts start threads
@@ -44,6 +51,41 @@ def sync_http_client(model: Any) -> Any:
         _attribute(request, model)
 
     return openai.DefaultHttpxClient(event_hooks={"request": [hook]})
+
+
+def _has_aiohttp() -> bool:
+    return importlib.util.find_spec("aiohttp") is not None
+
+
+async def _close_at_shutdown(client: openai.AsyncOpenAI) -> AsyncIterator[None]:
+    try:
+        yield
+    finally:  # run by the loop's shutdown_asyncgens(), which asyncio.run() calls on exit
+        await client.close()
+
+
+def close_with_loop(client: openai.AsyncOpenAI, loop: asyncio.AbstractEventLoop) -> Any:
+    """Make ``client`` close when ``loop`` shuts down its async generators (``asyncio.run``
+    does, before closing the loop). Returns the generator: the caller keeps it referenced,
+    because the loop holds its async generators weakly."""
+    closer = _close_at_shutdown(client)
+    loop.create_task(closer.__anext__())  # registers it with the loop, runs it to its yield
+    return closer
+
+
+def loop_client(model: Any, base_url: str, api_key: str, loop: asyncio.AbstractEventLoop,
+                **kwargs: Any) -> tuple[openai.AsyncOpenAI, Any]:
+    """An async client for use in ``loop`` only, on aiohttp where installed, closed with the
+    loop; returns it with the handle to keep (see :func:`close_with_loop`)."""
+    async def hook(request: Any) -> None:
+        _attribute(request, model)
+
+    if not _has_aiohttp():
+        return async_client(model, base_url, api_key, **kwargs), None
+    kwargs.setdefault("max_retries", 0)  # a retry would record the call twice
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, **kwargs,
+                                http_client=openai.DefaultAioHttpClient(event_hooks={"request": [hook]}))
+    return client, close_with_loop(client, loop)
 
 
 def async_client(model: Any, base_url: str, api_key: str, **kwargs: Any) -> openai.AsyncOpenAI:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -112,15 +113,20 @@ class Model:
 
     def openai_client(self, **kwargs: Any) -> openai.AsyncOpenAI:
         """An AsyncOpenAI client for this model's endpoint, attributing calls to the current
-        rollout. One client per event loop (clients cannot outlive their loop)."""
+        rollout. One client per event loop (clients cannot outlive their loop); made inside a
+        loop, it uses aiohttp where installed and is closed when the loop shuts down."""
         base_url, api_key = self._endpoint()
         loop = asyncio.get_running_loop() if _has_loop() else None
         key = ("async", id(loop), tuple(sorted(kwargs.items())))
-        client = self._clients.get(key)
-        if client is None:
-            client = _client.async_client(self, base_url, api_key, **kwargs)
-            self._clients[key] = client
-        return client
+        cached = self._clients.get(key)
+        # a loop id can be reused by a later loop once the first is gone: check it is this one
+        if cached is None or cached[2]() is not loop or cached[0].is_closed():
+            if loop is None:
+                client, closer = _client.async_client(self, base_url, api_key, **kwargs), None
+            else:
+                client, closer = _client.loop_client(self, base_url, api_key, loop, **kwargs)
+            cached = self._clients[key] = (client, closer, weakref.ref(loop) if loop else lambda: None)
+        return cached[0]
 
     def sync_openai_client(self, **kwargs: Any) -> openai.OpenAI:
         """A sync OpenAI client, for sync agent code; attribution works the same way."""
