@@ -54,7 +54,10 @@ def sync_http_client(model: Any) -> Any:
 
 
 def _has_aiohttp() -> bool:
-    return importlib.util.find_spec("aiohttp") is not None
+    """openai's aiohttp transport is usable: aiohttp installed, and an openai that has it."""
+    client_class = getattr(openai, "DefaultAioHttpClient", None)
+    return (importlib.util.find_spec("aiohttp") is not None and client_class is not None
+            and "Missing" not in client_class.__name__)
 
 
 async def _close_at_shutdown(client: openai.AsyncOpenAI) -> AsyncIterator[None]:
