@@ -62,6 +62,11 @@ def test_additional_histories_round_trip_and_are_validated():
             {"role": "user", "content": "a"}, {"role": "robot", "content": "b"}]}])
 
 
+def test_exceptions_among_trajectories_become_the_groups_failed_rollouts():
+    g = tracerl.TrajectoryGroup([make_trajectory(), ValueError("boom")], exceptions=[KeyError("k")])
+    assert len(g) == 1 and [e.type for e in g.exceptions] == ["ValueError", "KeyError"]
+
+
 def test_group_jsonl_round_trip(tmp_path):
     g1 = tracerl.TrajectoryGroup([make_trajectory(1.0), make_trajectory(0.0)],
                                  exceptions=[ValueError("boom")], metadata={"scenario": "x"})

@@ -242,7 +242,7 @@ class TrajectoryGroup(_Validated):
         return super().__new__(cls)
 
     def __init__(
-        self, trajectories: Iterable[Trajectory] | None = None, *,
+        self, trajectories: Iterable[Trajectory | BaseException] | None = None, *,
         exceptions: Iterable[BaseException | RolloutException | dict[str, Any]] = (),
         metadata: dict[str, Any] | None = None, **data: Any,
     ) -> None:
@@ -250,9 +250,13 @@ class TrajectoryGroup(_Validated):
             trajectories = data.pop("trajectories", [])
         elif not isinstance(trajectories, list):
             trajectories = _PENDING_ITEMS.pop(id(trajectories), None) or list(trajectories)
+        # as in ART, exceptions among the trajectories (asyncio.gather(return_exceptions=True))
+        # are the group's failed rollouts
+        failed = [t for t in trajectories if isinstance(t, BaseException)]
+        trajectories = [t for t in trajectories if not isinstance(t, BaseException)]
         excs = [
             RolloutException.from_exception(e) if isinstance(e, BaseException) else e
-            for e in exceptions
+            for e in [*failed, *exceptions]
         ]
         if not trajectories and not excs:
             raise InvalidTrajectoryError(
