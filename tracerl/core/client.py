@@ -37,13 +37,15 @@ def _attribute(request: Any, model: Any) -> None:
         request.url = request.url.copy_with(path=f"/rollouts/{ctx.rollout_id}{path}")
 
 
-def async_http_client(model: Any) -> Any:
+def async_http_client(model: Any, *, aiohttp: bool = False) -> Any:
     """An async HTTP client (as openai uses) that attributes requests to the current rollout;
-    for frameworks that build their own OpenAI client (LangChain, ...)."""
+    for frameworks that build their own OpenAI client (LangChain, ...). ``aiohttp``: openai's
+    aiohttp transport, for a client that stays in one event loop."""
     async def hook(request: Any) -> None:
         _attribute(request, model)
 
-    return openai.DefaultAsyncHttpxClient(event_hooks={"request": [hook]})
+    cls = openai.DefaultAioHttpClient if aiohttp else openai.DefaultAsyncHttpxClient
+    return cls(event_hooks={"request": [hook]})
 
 
 def sync_http_client(model: Any) -> Any:
@@ -80,21 +82,15 @@ def loop_client(model: Any, base_url: str, api_key: str, loop: asyncio.AbstractE
                 **kwargs: Any) -> tuple[openai.AsyncOpenAI, Any]:
     """An async client for use in ``loop`` only, on aiohttp where installed, closed with the
     loop; returns it with the handle to keep (see :func:`close_with_loop`)."""
-    async def hook(request: Any) -> None:
-        _attribute(request, model)
-
-    if not _has_aiohttp():
-        return async_client(model, base_url, api_key, **kwargs), None
-    kwargs.setdefault("max_retries", 0)  # a retry would record the call twice
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, **kwargs,
-                                http_client=openai.DefaultAioHttpClient(event_hooks={"request": [hook]}))
+    client = async_client(model, base_url, api_key, aiohttp=_has_aiohttp(), **kwargs)
     return client, close_with_loop(client, loop)
 
 
-def async_client(model: Any, base_url: str, api_key: str, **kwargs: Any) -> openai.AsyncOpenAI:
-    http_client = async_http_client(model)
+def async_client(model: Any, base_url: str, api_key: str, *, aiohttp: bool = False,
+                 **kwargs: Any) -> openai.AsyncOpenAI:
     kwargs.setdefault("max_retries", 0)  # a retry would record the call twice
-    return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=http_client, **kwargs)
+    return openai.AsyncOpenAI(base_url=base_url, api_key=api_key,
+                              http_client=async_http_client(model, aiohttp=aiohttp), **kwargs)
 
 
 def sync_client(model: Any, base_url: str, api_key: str, **kwargs: Any) -> openai.OpenAI:
