@@ -1,6 +1,6 @@
 """Rollouts/s through a LocalBackend with the openai SDK's two async transports: httpx2 (openai's
-default) versus aiohttp (``openai.DefaultAioHttpClient``, what ``model.openai_client()`` uses when
-aiohttp is installed). Same process, same gateway, waves alternating between the two clients.
+default) versus aiohttp (``openai.DefaultAioHttpClient``), and ``model.openai_client()`` itself
+(aiohttp since session 6). Same process, same gateway, waves alternating between the clients.
 
 Each rollout is one chat call inside ``gather_trajectory_groups`` (recorded by the gateway), so
 the numbers include what a training script pays per call. Run it against an engine that answers
@@ -35,6 +35,7 @@ async def measure(concurrencies: list[int], max_tokens: int, waves: int) -> list
         http_client=cls(), max_retries=0)
         for kind, cls in (("httpx2", openai.DefaultAsyncHttpxClient),
                           ("aiohttp", openai.DefaultAioHttpClient))}
+    clients["model_openai_client"] = model.openai_client()
 
     async def rollout(client: openai.AsyncOpenAI, i: int) -> tracerl.Trajectory:
         r = await client.chat.completions.create(
@@ -59,13 +60,14 @@ async def measure(concurrencies: list[int], max_tokens: int, waves: int) -> list
                     next_id += concurrency
             row = {"concurrency": concurrency, "max_tokens": max_tokens, "waves": waves,
                    **{f"{k}_rollouts_per_s": statistics.median(v) for k, v in rates.items()},
-                   "ratio_aiohttp_over_httpx2": statistics.median(rates["aiohttp"])
-                   / statistics.median(rates["httpx2"])}
+                   **{f"ratio_{k}_over_httpx2": statistics.median(rates[k]) / statistics.median(rates["httpx2"])
+                      for k in ("aiohttp", "model_openai_client")}}
             results.append(row)
             print(json.dumps(row), flush=True)
     finally:
-        for client in clients.values():
-            await client.close()
+        for kind, client in clients.items():
+            if kind != "model_openai_client":  # that one closes with the loop
+                await client.close()
         await backend.close()
     return results
 
