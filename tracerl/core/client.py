@@ -44,8 +44,14 @@ def async_http_client(model: Any, *, aiohttp: bool = False) -> Any:
     async def hook(request: Any) -> None:
         _attribute(request, model)
 
-    cls = openai.DefaultAioHttpClient if aiohttp else openai.DefaultAsyncHttpxClient
-    return cls(event_hooks={"request": [hook]})
+    if not aiohttp:
+        return openai.DefaultAsyncHttpxClient(event_hooks={"request": [hook]})
+    try:
+        from .aiohttp_transport import CorrectedAiohttpTransport
+    except ImportError:  # an openai without the vendored transport: its client as it is
+        return openai.DefaultAioHttpClient(event_hooks={"request": [hook]})
+    return openai.DefaultAioHttpClient(event_hooks={"request": [hook]},
+                                       transport=CorrectedAiohttpTransport())
 
 
 def sync_http_client(model: Any) -> Any:
