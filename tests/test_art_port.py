@@ -183,8 +183,6 @@ async def test_additional_histories_train_when_there_are_no_token_records(tf_bac
     group = tracerl.TrajectoryGroup([trajectory(1.0, "Go to Rome."), trajectory(0.0, "Stay home.")])
     metrics = await model.train([group], config=tracerl.TrainConfig(learning_rate=1e-4))
     assert metrics["rendered_rows"] == 4 and metrics["rows"] == 4  # 2 trajectories x 2 histories
-    with pytest.raises(ValueError, match="additional_histories"):
-        await ruler_score_group(group, "judge", client=object())
     with pytest.raises(tracerl.ConfigError, match="normalize_by_length"):
         await model.train([group], _config={"normalize_by_length": False})
     assert await model.get_step() == 1  # refused before anything ran
@@ -283,3 +281,18 @@ def test_train_config_takes_arts_kl_names():
     assert tracerl.TrainConfig(kl_penalty_source="current_learner").beta == 0.0
     with pytest.raises(ValueError, match="kl_penalty_source"):
         tracerl.TrainConfig(kl_penalty_source="sample")  # KL at the sampled logprobs: not offered
+
+
+async def test_ruler_reads_additional_histories(judge_server):
+    def trajectory(summary):
+        return tracerl.Trajectory(
+            messages_and_choices=[{"role": "user", "content": "Plan a trip."},
+                                  {"role": "assistant", "content": "Rome."}],
+            additional_histories=[tracerl.History(messages_and_choices=[
+                {"role": "user", "content": "Summarise the plan."}, {"role": "assistant", "content": summary}])])
+
+    group = tracerl.TrajectoryGroup([trajectory("Rome, 3 days."), trajectory("No idea.")])
+    scored = await ruler_score_group(group, "openai/judge", {"api_base": judge_server.url, "api_key": "k"})
+    assert sorted(t.reward for t in scored) == [0.2, 0.5]  # the sub-agent's answer told them apart
+    prompt = judge_server.requests[0]["messages"][-1]["content"]
+    assert "additional history 1" in prompt and "No idea." in prompt and "Rome, 3 days." in prompt

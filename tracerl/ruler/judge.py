@@ -264,15 +264,12 @@ class Ruler:
         ``metrics['independent_reward']``, the judge's explanation in ``logs``). Returns the
         group, or None if judging failed and ``swallow_exceptions`` is set."""
         trajectories = group.trajectories
-        if any(t.additional_histories for t in trajectories):
-            raise ValueError("RULER judges messages_and_choices only; this group has trajectories "
-                             "with additional_histories, which the judge would not see")
         if len(trajectories) < 2:
             return group
         stats = JudgeStats()
         try:
             judged, n_shared, n_unique = await self.judge_histories(
-                [[_plain(m) for m in t.messages_and_choices] for t in trajectories], stats)
+                [_judged_conversation(t) for t in trajectories], stats)
         except RulerError:
             if swallow_exceptions:
                 return None
@@ -307,6 +304,17 @@ class Ruler:
                 if tid != anchor:
                     merged[tid] = replace(s, score=min(1.0, max(0.0, s.score + shift)))
         return merged
+
+
+def _judged_conversation(t: Trajectory) -> list[dict[str, Any]]:
+    """What the judge reads of a trajectory: its conversation, then each additional history
+    (ART's sub-agent conversations) after a marker saying what follows."""
+    messages = [_plain(m) for m in t.messages_and_choices]
+    for i, history in enumerate(t.additional_histories, start=1):
+        messages.append({"role": "system", "content": f"[additional history {i} of this trajectory: "
+                         "another conversation of the same rollout]"})
+        messages += [_plain(m) for m in history.messages_and_choices]
+    return messages
 
 
 def _set_score(t: Trajectory, score: float) -> None:
