@@ -12,7 +12,6 @@ BENCHMARKS.md) and close themselves when that loop shuts down.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -46,10 +45,8 @@ def async_http_client(model: Any, *, aiohttp: bool = False) -> Any:
 
     if not aiohttp:
         return openai.DefaultAsyncHttpxClient(event_hooks={"request": [hook]})
-    try:
-        from .aiohttp_transport import CorrectedAiohttpTransport
-    except ImportError:  # an openai without the vendored transport: its client as it is
-        return openai.DefaultAioHttpClient(event_hooks={"request": [hook]})
+    from .aiohttp_transport import CorrectedAiohttpTransport
+
     return openai.DefaultAioHttpClient(event_hooks={"request": [hook]},
                                        transport=CorrectedAiohttpTransport())
 
@@ -62,10 +59,12 @@ def sync_http_client(model: Any) -> Any:
 
 
 def _has_aiohttp() -> bool:
-    """openai's aiohttp transport is usable: aiohttp installed, and an openai that has it."""
-    client_class = getattr(openai, "DefaultAioHttpClient", None)
-    return (importlib.util.find_spec("aiohttp") is not None and client_class is not None
-            and "Missing" not in client_class.__name__)
+    """openai's aiohttp transport is usable: aiohttp installed, and an openai that vendors it."""
+    try:
+        from . import aiohttp_transport  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 async def _close_at_shutdown(client: openai.AsyncOpenAI) -> AsyncIterator[None]:

@@ -49,10 +49,8 @@ def iterate_dataset(dataset: Sequence[T] | Iterable[T], groups_per_step: int = 1
     items: Sequence[T] = dataset if isinstance(dataset, Sequence) else list(dataset)
     if len(items) == 0:
         raise ValueError("iterate_dataset needs at least one item; the dataset is empty")
-    steps_per_epoch = math.ceil(len(items) / groups_per_step)
-    total = steps_per_epoch * num_epochs
-    return _batches(items, groups_per_step, steps_per_epoch, num_epochs, initial_step,
-                    use_tqdm and initial_step < total, seed, shuffle)
+    return _batches(items, groups_per_step, math.ceil(len(items) / groups_per_step), num_epochs,
+                    initial_step, use_tqdm, seed, shuffle)
 
 
 def _batches(items: Sequence[T], groups_per_step: int, steps_per_epoch: int, num_epochs: int,
@@ -60,7 +58,7 @@ def _batches(items: Sequence[T], groups_per_step: int, steps_per_epoch: int, num
              ) -> Iterator[DatasetBatch[T]]:
     total = steps_per_epoch * num_epochs
     bar = tqdm(total=total, initial=initial_step, desc="steps", file=sys.stderr,
-               dynamic_ncols=True) if show_progress else None
+               dynamic_ncols=True) if show_progress and initial_step < total else None
     try:
         for epoch in range(initial_step // steps_per_epoch, num_epochs):
             order = epoch_order(len(items), epoch, seed) if shuffle else range(len(items))
