@@ -10,7 +10,7 @@ import pytest
 
 import tracerl
 from tests.judge_server import JudgeServer, good
-from tracerl.core.art_config import train_options_from_art
+from tracerl.core.art_compat import train_options_from_art
 from tracerl.rewards import DEFAULT_RUBRIC, ruler, ruler_score_group
 from tracerl.utils import DatasetBatch, iterate_dataset, limit_concurrency
 

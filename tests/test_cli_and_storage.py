@@ -5,7 +5,7 @@ import json
 import pytest
 
 import tracerl
-from tracerl.core.cli import main
+from tracerl.cli import main
 from tracerl.core.storage import (
     ModelStore,
     append_jsonl,

@@ -38,7 +38,7 @@ def test_builtins_load_through_entry_points():
 
 
 def test_third_party_entry_point_is_discovered_and_listed(plugin_site):
-    out = subprocess.run([sys.executable, "-m", "tracerl.core.cli", "plugins", "-v"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "tracerl.cli", "plugins", "-v"], capture_output=True,
                          text=True, env={**__import__("os").environ, "PYTHONPATH": f"{plugin_site}:{ROOT}"})
     assert out.returncode == 0, out.stderr
     assert "example_judge" in out.stdout and "tracerl-example-plugin 0.0.1" in out.stdout
@@ -57,7 +57,7 @@ def test_hook_reference_lists_every_hookspec_and_its_implementers(plugin_site):
     assert by_name["tracerl_score_group"].first_result and "ruler" in by_name["tracerl_score_group"].implemented_by
     assert by_name["tracerl_on_llm_call"].signature == "tracerl_on_llm_call(call: LLMCall) -> None"
 
-    out = subprocess.run([sys.executable, "-m", "tracerl.core.cli", "hooks"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "tracerl.cli", "hooks"], capture_output=True, text=True,
                          env={**__import__("os").environ, "PYTHONPATH": f"{plugin_site}:{ROOT}"})
     assert out.returncode == 0, out.stderr
     assert all(name in out.stdout for name in specs)

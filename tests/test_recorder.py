@@ -8,7 +8,7 @@ from tracerl.backend.recorder import (
     inject_training_fields,
     strip_for_caller,
 )
-from tracerl.backend.tool_parsers import parse_hermes
+from tracerl.backend.engines.tool_parsers import parse_hermes
 
 
 def test_hermes_tool_calls_are_parsed_and_bad_blocks_kept_as_text():

@@ -180,7 +180,7 @@ async def test_client_errors_are_clear_and_never_hang(server):
 
 def test_serve_refuses_a_public_address_without_a_key(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRACERL_API_KEY"}
-    out = subprocess.run([sys.executable, "-m", "tracerl.core.cli", "serve", "--host", "0.0.0.0",
+    out = subprocess.run([sys.executable, "-m", "tracerl.cli", "serve", "--host", "0.0.0.0",
                           "--path", str(tmp_path)], capture_output=True, text=True, env=env,
                          cwd=ROOT, timeout=120)
     assert out.returncode == 2 and "needs an API key" in out.stderr
@@ -249,7 +249,7 @@ async def test_kill_9_mid_step_then_restart_loses_nothing(tmp_path):
 
 
 def test_client_engine_configs_name_built_ins_and_flags_need_the_operators_consent():
-    from tracerl.backend.control_api import ControlServer
+    from tracerl.remote.server import ControlServer
 
     built_in = tracerl.ModelConfig(engine=tracerl.EngineConfig(chat_template="chatml-tools"))
     flags = tracerl.ModelConfig(engine=tracerl.EngineConfig(extra_args=["--enforce-eager"]))

@@ -3,8 +3,8 @@
 import re
 
 import tracerl
-from tracerl.core.cli import main
-from tracerl.core.report import COLOURS
+from tracerl.cli import main
+from tracerl.report import COLOURS
 from tracerl.core.storage import ModelStore
 from tracerl.core.trajectory import write_groups_jsonl
 

@@ -109,7 +109,7 @@ async def test_vllm_crash_gives_503_then_restarts(vllm_backend):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
 async def test_sleep_mode_is_refused_clearly_on_cpu(smollm2_path):
-    from tracerl.backend.engines.base import EngineSpec
+    from tracerl.core.engine import EngineSpec
 
     spec = EngineSpec(model_path=smollm2_path, served_name="x", lora=tracerl.LoraConfig(),
                       config=tracerl.EngineConfig(sleep_during_training=True))
@@ -119,7 +119,7 @@ async def test_sleep_mode_is_refused_clearly_on_cpu(smollm2_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU default")
 def test_sleep_mode_defaults_to_the_device_and_memory_share_is_passed(smollm2_path):
-    from tracerl.backend.engines.base import EngineSpec
+    from tracerl.core.engine import EngineSpec
 
     def engine(**config):
         return VLLMEngine(EngineSpec(model_path=smollm2_path, served_name="x",

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from . import dev, utils
-from .core.client import rollout_headers
+from .rollout.client import rollout_headers
 from .core.config import EngineConfig, LoraConfig, ModelConfig, TrainConfig
 from .core.context import ContextThreadPoolExecutor, call_tags, current_rollout, rollout_scope
 from .core.errors import (
@@ -25,9 +25,9 @@ from .core.errors import (
     TracerlError,
     TrainingError,
 )
-from .core.gather import gather_trajectories, gather_trajectory_groups
+from .rollout.gather import gather_trajectories, gather_trajectory_groups
 from .core.hookspecs import HOOKSPEC_VERSION, hookimpl
-from .core.model import Model, TrainableModel
+from .rollout.model import Model, TrainableModel
 from .core.spans import Span
 from .core.trajectory import (
     CompletionRecord,
@@ -40,7 +40,7 @@ from .core.trajectory import (
 
 if TYPE_CHECKING:
     from .backend.local import LocalBackend
-    from .backend.remote import RemoteBackend
+    from .remote.client import RemoteBackend
 
 __version__ = "0.1.0"
 
@@ -91,7 +91,7 @@ def __getattr__(name: str) -> Any:
 
         return LocalBackend
     if name == "RemoteBackend":
-        from .backend.remote import RemoteBackend
+        from .remote.client import RemoteBackend
 
         return RemoteBackend
     raise AttributeError(f"module 'tracerl' has no attribute {name!r}")

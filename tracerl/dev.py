@@ -1,6 +1,6 @@
 """ART's ``art.dev`` configuration dicts, for ported scripts: ``art.dev.InternalModelConfig(...)``
 becomes ``tracerl.dev.InternalModelConfig(...)``. They are plain dicts, translated (and checked
-key by key) by :mod:`tracerl.core.art_config`; new code uses :class:`tracerl.ModelConfig`."""
+key by key) by :mod:`tracerl.core.art_compat`; new code uses :class:`tracerl.ModelConfig`."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from ..core.context import MAX_TAGS_BYTES, ROLLOUT_HEADER, TAGS_HEADER
 from ..core.errors import EngineError
 from ..core.plugins import get_plugin_manager
 from ..core.storage import ModelStore, validate_name
-from .engines.base import Engine, EngineRequestError, EngineUnavailableError
+from ..core.engine import Engine, EngineRequestError, EngineUnavailableError
 from .recorder import (
     CallStore,
     StreamAssembler,

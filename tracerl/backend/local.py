@@ -23,8 +23,8 @@ from ..core.metrics import summarize_groups
 from ..core.plugins import collect_classes, get_plugin_manager
 from ..core.storage import ModelStore, atomic_directory
 from ..core.trajectory import LLMCall, TrajectoryGroup, write_groups_jsonl
-from .base import Backend, InferenceEndpoint
-from .engines.base import Engine, EngineSpec
+from ..core.backend import Backend, InferenceEndpoint
+from ..core.engine import Engine, EngineSpec
 
 T = TypeVar("T")
 

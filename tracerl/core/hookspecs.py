@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from .model import Model
+    from ..rollout.model import Model
     from .trajectory import LLMCall, Trajectory, TrajectoryGroup
 
 PROJECT = "tracerl"
@@ -37,13 +37,13 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 @hookspec
 def tracerl_engines() -> list[type]:
     """Return inference engine classes. Each has a unique ``name`` and an ``available()``
-    classmethod, and implements :class:`tracerl.backend.engines.base.Engine`."""
+    classmethod, and implements :class:`tracerl.core.engine.Engine`."""
 
 
 @hookspec
 def tracerl_backends() -> list[type]:
     """Return backend classes. Each has a unique ``name`` and implements
-    :class:`tracerl.backend.base.Backend`."""
+    :class:`tracerl.core.backend.Backend`."""
 
 
 # --- trajectory capture -----------------------------------------------------------------------

@@ -236,7 +236,7 @@ class TrajectoryGroup(_Validated):
             _PENDING_ITEMS[id(trajectories)] = items
         if items and any(hasattr(t, "__await__") for t in items):
             _PENDING_ITEMS.pop(id(trajectories), None)
-            from .gather import PendingTrajectoryGroup
+            from ..rollout.gather import PendingTrajectoryGroup
 
             return PendingTrajectoryGroup(items, **kwargs)
         return super().__new__(cls)

@@ -23,9 +23,9 @@ from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.messages import BaseMessage, convert_to_openai_messages
 from langchain_core.tracers.context import register_configure_hook
 
-from ..core.client import async_http_client, sync_http_client
+from ..rollout.client import async_http_client, sync_http_client
 from ..core.context import RolloutContext, on_rollout_enter
-from ..core.gather import run_as_rollout
+from ..rollout.gather import run_as_rollout
 from ..core.trajectory import Trajectory
 from .span_recorder import SpanRecorder, short
 

@@ -19,8 +19,8 @@ from typing import Any
 
 from ...core.hookspecs import hookimpl
 from ..chat_template import apply_chat_template_override, render_prompt
-from ..tool_parsers import PARSERS
-from .base import Engine, EngineRequestError, EngineSpec, EngineUnavailableError
+from .tool_parsers import PARSERS
+from ...core.engine import Engine, EngineRequestError, EngineSpec, EngineUnavailableError
 
 BATCH_WINDOW_S = 0.005
 

@@ -28,8 +28,8 @@ import aiohttp
 from ...core.errors import EngineError
 from ...core.hookspecs import hookimpl
 from ..chat_template import chat_template_path
-from ..json_codec import loads
-from .base import Engine, EngineRequestError, EngineSpec, EngineUnavailableError
+from .json_codec import loads
+from ...core.engine import Engine, EngineRequestError, EngineSpec, EngineUnavailableError
 
 STARTUP_TIMEOUT_S = float(os.environ.get("TRACERL_VLLM_STARTUP_TIMEOUT", "600"))
 

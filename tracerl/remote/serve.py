@@ -11,8 +11,8 @@ from pathlib import Path
 
 from ..core.errors import ConfigError
 from ..core.plugins import register as register_plugin
-from .control_api import ControlServer
-from .local import LocalBackend
+from .server import ControlServer
+from ..backend.local import LocalBackend
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 

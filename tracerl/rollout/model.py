@@ -11,17 +11,17 @@ from typing import TYPE_CHECKING, Any
 import openai
 
 from . import client as _client
-from .art_config import model_config_from_art, train_options_from_art
-from .config import ModelConfig, TrainConfig
-from .context import current_rollout
-from .errors import ConfigError, InvalidTrajectoryError, NotRegisteredError
-from .metrics import summarize_groups
-from .plugins import get_plugin_manager
-from .storage import validate_name
-from .trajectory import LLMCall, Trajectory, TrajectoryGroup
+from ..core.art_compat import model_config_from_art, train_options_from_art
+from ..core.config import ModelConfig, TrainConfig
+from ..core.context import current_rollout
+from ..core.errors import ConfigError, InvalidTrajectoryError, NotRegisteredError
+from ..core.metrics import summarize_groups
+from ..core.plugins import get_plugin_manager
+from ..core.storage import validate_name
+from ..core.trajectory import LLMCall, Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
-    from ..backend.base import Backend
+    from ..core.backend import Backend
 
 
 def _as_groups(items: Iterable[Trajectory | TrajectoryGroup]) -> list[TrajectoryGroup]:

@@ -12,9 +12,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
-from .storage import atomic_write_bytes, atomic_write_text, read_jsonl
-from .trajectory import read_groups_jsonl
+from .core.errors import ConfigError
+from .core.storage import atomic_write_bytes, atomic_write_text, read_jsonl
+from .core.trajectory import read_groups_jsonl
 
 WIDTH, HEIGHT, PAD = 640, 240, 40
 COLOURS = {"train": "#1f77b4", "val": "#d62728"}

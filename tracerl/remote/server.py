@@ -22,19 +22,19 @@ from ..core.errors import (
     NotRegisteredError,
     TracerlError,
 )
-from ..core.model import Model, TrainableModel
+from ..rollout.model import Model, TrainableModel
 from ..core.storage import atomic_write_text, validate_name
 from ..core.trajectory import group_lines
-from ..core.wire import API_PREFIX, NDJSON, decode_groups, error_code
-from .gateway import openai_error
-from .request_body import (
+from .wire import API_PREFIX, NDJSON, decode_groups, error_code
+from ..backend.gateway import openai_error
+from ..backend.request_body import (
     BadBodyEncodingError,
     BadBodyError,
     BodyTooLargeError,
     parse_json_object,
     read_limited_body,
 )
-from .train_jobs import QueueFullError, TrainConflictError, TrainQueue, request_marker
+from .jobs import QueueFullError, TrainConflictError, TrainQueue, request_marker
 
 SMALL_BODY_BYTES = 1024 * 1024
 
@@ -68,7 +68,7 @@ class ControlServer:
     def _base_model_source(self, requested: Any) -> str:
         """What the server loads for a client's ``base_model``: an embedded model, or a name the
         operator mapped to a folder (``--base-model NAME=PATH``); never a client's path."""
-        from .weights import SMOLLM2_ALIASES
+        from ..backend.weights import SMOLLM2_ALIASES
 
         if not isinstance(requested, str) or not requested:
             raise ConfigError("base_model must be a non-empty string")
@@ -97,7 +97,7 @@ class ControlServer:
     def _check_client_engine_config(self, config: ModelConfig) -> None:
         """A client's config must not reach the server's filesystem: chat templates by built-in
         name only, and vLLM flags (which can name paths) only where the operator allows them."""
-        from .chat_template import BUILTIN_TEMPLATES
+        from ..backend.chat_template import BUILTIN_TEMPLATES
 
         template = config.engine.chat_template
         if template is not None and template not in BUILTIN_TEMPLATES:

@@ -12,7 +12,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from .errors import (
+from ..core.errors import (
     AuthenticationError,
     ConfigError,
     InvalidTrajectoryError,
@@ -21,7 +21,7 @@ from .errors import (
     TracerlError,
     TrainingError,
 )
-from .trajectory import TrajectoryGroup, group_lines, parse_group_lines
+from ..core.trajectory import TrajectoryGroup, group_lines, parse_group_lines
 
 API_PREFIX = "/api/v1"
 NDJSON = "application/x-ndjson"

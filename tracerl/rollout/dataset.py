@@ -16,7 +16,7 @@ from typing import Generic, TypeVar
 
 from tqdm.auto import tqdm
 
-from .validated import check_int
+from ..core.validated import check_int
 
 T = TypeVar("T")
 

@@ -6,7 +6,7 @@ import os
 import sys
 from typing import Any
 
-from .hookspecs import hookimpl
+from ..core.hookspecs import hookimpl
 
 _SHOWN = ("reward", "reward_std", "loss", "num_trajectories", "num_exceptions", "seconds")
 

@@ -34,8 +34,8 @@ from ..core.errors import BackendUnavailableError, NotRegisteredError, TrainingE
 from ..core.hookspecs import hookimpl
 from ..core.plugins import get_plugin_manager
 from ..core.trajectory import LLMCall, TrajectoryGroup, parse_group_lines
-from ..core.wire import API_PREFIX, NDJSON, encode_groups, exception_for
-from .base import Backend, InferenceEndpoint
+from .wire import API_PREFIX, NDJSON, encode_groups, exception_for
+from ..core.backend import Backend, InferenceEndpoint
 
 T = TypeVar("T")
 RETRY_STATUSES = {502, 503, 504}

@@ -14,7 +14,7 @@ import weakref
 from collections.abc import Awaitable, Callable, Hashable
 from typing import ParamSpec, TypeVar
 
-from .validated import check_int
+from ..core.validated import check_int
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -17,10 +17,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from .context import RolloutContext, current_rollout, enter_rollout, new_rollout_id, rollout_scope
-from .errors import RolloutTimeoutError, TooManyExceptionsError
-from .spans import link_spans_to_calls
-from .trajectory import RolloutException, Trajectory, TrajectoryGroup
+from ..core.context import RolloutContext, current_rollout, enter_rollout, new_rollout_id, rollout_scope
+from ..core.errors import RolloutTimeoutError, TooManyExceptionsError
+from ..core.spans import link_spans_to_calls
+from ..core.trajectory import RolloutException, Trajectory, TrajectoryGroup
 
 DEFAULT_ROLLOUT_TIMEOUT_S = 600.0
 
@@ -137,7 +137,7 @@ async def finish_rollout(trajectory: Any, rollout: RolloutContext) -> Trajectory
     """Validate a rollout's result, stamp it with its rollout id and attach its LLM calls."""
     import time
 
-    from .plugins import get_plugin_manager
+    from ..core.plugins import get_plugin_manager
 
     if not isinstance(trajectory, Trajectory):
         raise TypeError(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ...core.config import EngineConfig, LoraConfig
+from .config import EngineConfig, LoraConfig
 
 
 class EngineRequestError(Exception):

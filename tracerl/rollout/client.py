@@ -19,7 +19,7 @@ from typing import Any
 import httpx2  # noqa: F401 - openai's transport: imported once, before rollouts start threads
 import openai
 
-from .context import ROLLOUT_HEADER, TAGS_HEADER, current_call_tags, current_rollout
+from ..core.context import ROLLOUT_HEADER, TAGS_HEADER, current_call_tags, current_rollout
 
 
 def _attribute(request: Any, model: Any) -> None:

@@ -21,7 +21,7 @@ from ..core.config import TrainConfig
 from ..core.errors import ConfigError, TrainingError
 from ..core.storage import ModelStore, atomic_write_text, validate_name
 from ..core.trajectory import TrajectoryGroup, read_groups_jsonl
-from ..core.wire import error_code
+from .wire import error_code
 
 
 class TrainConflictError(TrainingError):

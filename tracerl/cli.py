@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
-    from .hookspecs import HOOKSPEC_VERSION
-    from .plugins import collect_classes, list_plugins
+    from .core.hookspecs import HOOKSPEC_VERSION
+    from .core.plugins import collect_classes, list_plugins
 
     print(f"tracerl plugin API {HOOKSPEC_VERSION}")
     for p in list_plugins():
@@ -29,8 +29,8 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 def _cmd_hooks(args: argparse.Namespace) -> int:
     import textwrap
 
-    from .hookspecs import HOOKSPEC_VERSION
-    from .plugins import hook_reference
+    from .core.hookspecs import HOOKSPEC_VERSION
+    from .core.plugins import hook_reference
 
     print(f"tracerl plugin API {HOOKSPEC_VERSION}: implement these in a module decorated with "
           "@tracerl.hookimpl (any subset of each hook's arguments)")
@@ -42,14 +42,14 @@ def _cmd_hooks(args: argparse.Namespace) -> int:
 
 
 def _cmd_prepare_model(args: argparse.Namespace) -> int:
-    from ..backend.weights import resolve_base_model
+    from .backend.weights import resolve_base_model
 
     print(resolve_base_model(args.base_model))
     return 0
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from ..demo import run_demo
+    from .demo import run_demo
 
     return run_demo(steps=args.steps, engine=args.engine, base_path=args.base_path,
                     group_size=args.group_size, groups_per_step=args.groups)
@@ -67,7 +67,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _cmd_proxy(args: argparse.Namespace) -> int:
     import time
 
-    from ..integrations.litellm_proxy import LiteLLMProxy
+    from .integrations.litellm_proxy import LiteLLMProxy
 
     proxy = LiteLLMProxy(upstream_base_url=args.backend_url, model_names=args.model,
                          upstream_api_key=args.api_key, host=args.host, port=args.port,
@@ -89,8 +89,8 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import os
 
-    from ..backend.serve import parse_base_models, serve
-    from .errors import ConfigError
+    from .remote.serve import parse_base_models, serve
+    from .core.errors import ConfigError
 
     api_key = os.environ.get(args.api_key_env) or None
     if args.api_key_file:
@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
-    from .errors import TracerlError
+    from .core.errors import TracerlError
 
     try:
         return func(args)

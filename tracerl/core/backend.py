@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
-    from ..core.config import TrainConfig
-    from ..core.model import Model
-    from ..core.trajectory import LLMCall, TrajectoryGroup
+    from .config import TrainConfig
+    from ..rollout.model import Model
+    from .trajectory import LLMCall, TrajectoryGroup
 
 
 @dataclass(frozen=True)
