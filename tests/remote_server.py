@@ -37,7 +37,7 @@ class ServerProcess:
     def start(self, *, extra_args: tuple[str, ...] = (), timeout: float = 240) -> ServerProcess:
         self.path.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "TRACERL_API_KEY": API_KEY, **self.env}
-        cmd = [sys.executable, "-m", "tracerl.cli", "serve", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "tracerl", "serve", "--port", str(self.port),
                "--path", str(self.path / "data"), "--engine", "transformers", *self.args, *extra_args]
         log = open(self.log, "a")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,

@@ -91,7 +91,7 @@ def group(*answers):
         for a in answers])
 
 
-async def test_ruler_score_group_takes_arts_arguments_through_real_litellm(judge_server, capsys):
+async def test_ruler_score_group_takes_arts_arguments_through_real_litellm(judge_server, caplog):
     litellm_params = {"api_base": judge_server.url, "api_key": "judge-key"}
     scored = await ruler_score_group(group("7", "9", "11"), "openai/judge", litellm_params, DEFAULT_RUBRIC,
                                      swallow_exceptions=False, debug=True)
@@ -101,7 +101,7 @@ async def test_ruler_score_group_takes_arts_arguments_through_real_litellm(judge
     assert sorted(t.reward for t in scored) == [0.2, 0.5, 0.8]
     assert all(t.metrics["independent_reward"] == 0.0 for t in scored)
     assert all(t.logs == ["RULER explanation: ok"] for t in scored)
-    assert "[ruler] openai/judge answered (attempt 1)" in capsys.readouterr().err
+    assert "[ruler] openai/judge answered (attempt 1)" in caplog.text
 
     unreachable = {"api_base": "http://127.0.0.1:9/v1", "api_key": "k"}
     assert await ruler_score_group(group("2", "4"), "openai/judge", unreachable, swallow_exceptions=True,

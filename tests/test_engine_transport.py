@@ -8,9 +8,9 @@ import socket
 import aiohttp
 import pytest
 
-from tracerl.core.engine import EngineUnavailableError
-from tracerl.backend.engines.vllm_engine import _sse_events, _transport_errors
 from tracerl.backend.engines.json_codec import loads
+from tracerl.backend.engines.vllm_engine import _sse_events, _transport_errors
+from tracerl.core.engine import EngineUnavailableError
 
 
 def test_loads_matches_the_standard_library_and_accepts_what_orjson_refuses():

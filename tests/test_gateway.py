@@ -126,7 +126,7 @@ async def test_lora_swap_changes_outputs(tf_backend, smollm2_path, tmp_path):
     before = await greedy_logprobs()
     adapter = await asyncio.to_thread(make_random_lora, smollm2_path, tmp_path / "lora")
     gw = backend.gateway
-    await backend._gateway().call(gw.swap_adapter(model.name, 1, adapter))
+    await backend.call_on_gateway(gw.models[model.name].swap_adapter(1, adapter))
     try:
         after = await greedy_logprobs()
         with tracerl.rollout_scope() as ro:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tracerl import LoraConfig, TrainConfig
-from tracerl.backend.training.loss import group_advantages
+from tracerl.backend.training.advantages import group_advantages
 from tracerl.backend.training.rows import Row
 from tracerl.backend.training.trainer import Trainer
 

@@ -2,13 +2,13 @@
 
 import json
 
+from tracerl.backend.engines.tool_parsers import parse_hermes
 from tracerl.backend.recorder import (
     StreamAssembler,
     build_call,
     inject_training_fields,
     strip_for_caller,
 )
-from tracerl.backend.engines.tool_parsers import parse_hermes
 
 
 def test_hermes_tool_calls_are_parsed_and_bad_blocks_kept_as_text():

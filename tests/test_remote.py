@@ -120,8 +120,9 @@ def test_requests_without_the_key_or_with_bad_input_are_rejected(server):
             ({"name": "ok", "project": "a/b", "base_model": "smollm2"}, "invalid project name"),
             ({"name": "ok", "project": "tests", "base_model": "/etc"}, "not offered by this server"),
             ({"name": "ok", "project": "tests", "base_model": "smollm2", "config": {"lora": {"r": -1}}},
-             "invalid model config"),
-            ({"name": "ok", "project": "tests", "base_model": "smollm2", "shell": "rm"}, "unknown registration"),
+             "config.lora.r"),
+            ({"name": "ok", "project": "tests", "base_model": "smollm2", "shell": "rm"},
+             "unknown model definition fields"),
             ({"name": "ok", "project": "tests", "base_model": "smollm2",
               "config": {"engine": {"chat_template": "/etc/passwd"}}}, "not a file on the server"),
             ({"name": "ok", "project": "tests", "base_model": "smollm2",
@@ -180,7 +181,7 @@ async def test_client_errors_are_clear_and_never_hang(server):
 
 def test_serve_refuses_a_public_address_without_a_key(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRACERL_API_KEY"}
-    out = subprocess.run([sys.executable, "-m", "tracerl.cli", "serve", "--host", "0.0.0.0",
+    out = subprocess.run([sys.executable, "-m", "tracerl", "serve", "--host", "0.0.0.0",
                           "--path", str(tmp_path)], capture_output=True, text=True, env=env,
                          cwd=ROOT, timeout=120)
     assert out.returncode == 2 and "needs an API key" in out.stderr

@@ -4,9 +4,9 @@ import re
 
 import tracerl
 from tracerl.cli import main
-from tracerl.report import COLOURS
 from tracerl.core.storage import ModelStore
 from tracerl.core.trajectory import write_groups_jsonl
+from tracerl.report import COLOURS
 
 
 def make_model_dir(tmp_path):

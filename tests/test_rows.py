@@ -4,7 +4,7 @@ import math
 
 import tracerl
 from tests.conftest import render_ids
-from tracerl.backend.training.loss import group_advantages
+from tracerl.backend.training.advantages import group_advantages
 from tracerl.backend.training.rows import Row, RowStats, rows_from_calls, rows_from_messages
 from tracerl.backend.training.trainer import micro_batches
 

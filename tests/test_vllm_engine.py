@@ -77,7 +77,7 @@ async def test_vllm_lora_hot_swap_changes_outputs_and_matches_peft(vllm_backend,
 
     before = await greedy()
     adapter = await asyncio.to_thread(make_random_lora, smollm2_path, tmp_path / "lora")
-    await backend._gateway().call(backend.gateway.swap_adapter(model.name, 1, adapter))
+    await backend.call_on_gateway(backend.gateway.models[model.name].swap_adapter(1, adapter))
     after = await greedy()
     assert after.adapter_step == 1
     assert before.completions[0].logprobs != after.completions[0].logprobs

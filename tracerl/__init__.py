@@ -1,15 +1,17 @@
 """tracerl: train the LLM inside an existing agent with GRPO, token-exactly.
 
-The public API mirrors OpenPipe ART, so ``import art`` can become ``import tracerl as art``.
-Heavy parts (torch, vLLM, FastAPI) load only when a backend is created.
+The package is built by stage, each importing only those below it: ``core`` (data model and
+contracts), ``rollout`` (the user's process), ``backend`` (gateway, engines, training),
+``remote`` (``tracerl serve`` and its client), then ``integrations`` and ``ruler``; the CLI
+sits on top. Heavy parts (torch, vLLM, FastAPI) load only when a backend is created.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from . import dev, utils
-from .rollout.client import rollout_headers
+# --- the native API -------------------------------------------------------------------------
+from .core.backend import Backend, InferenceEndpoint, TrainEvent
 from .core.config import EngineConfig, LoraConfig, ModelConfig, TrainConfig
 from .core.context import ContextThreadPoolExecutor, call_tags, current_rollout, rollout_scope
 from .core.errors import (
@@ -25,18 +27,24 @@ from .core.errors import (
     TracerlError,
     TrainingError,
 )
-from .rollout.gather import gather_trajectories, gather_trajectory_groups
 from .core.hookspecs import HOOKSPEC_VERSION, hookimpl
-from .rollout.model import Model, TrainableModel
+from .core.model_spec import ModelSpec
 from .core.spans import Span
 from .core.trajectory import (
     CompletionRecord,
-    History,
     LLMCall,
     RolloutException,
     Trajectory,
     TrajectoryGroup,
 )
+from .rollout.client import rollout_headers
+from .rollout.gather import gather_trajectories, gather_trajectory_groups
+from .rollout.model import Model, TrainableModel
+
+# isort: split
+# --- OpenPipe ART's names and import paths (everything ART-only: tracerl.core.art_compat) ------
+from . import dev, utils  # art.dev, art.utils (tracerl.local, .rewards, .langgraph load lazily)
+from .core.trajectory import History
 
 if TYPE_CHECKING:
     from .backend.local import LocalBackend
@@ -47,6 +55,7 @@ __version__ = "0.1.0"
 __all__ = [
     "HOOKSPEC_VERSION",
     "AuthenticationError",
+    "Backend",
     "BackendUnavailableError",
     "CompletionRecord",
     "ConfigError",
@@ -54,12 +63,14 @@ __all__ = [
     "EngineConfig",
     "EngineError",
     "History",
+    "InferenceEndpoint",
     "InvalidTrajectoryError",
     "LLMCall",
     "LocalBackend",
     "LoraConfig",
     "Model",
     "ModelConfig",
+    "ModelSpec",
     "NotRegisteredError",
     "PluginError",
     "RemoteBackend",
@@ -69,6 +80,7 @@ __all__ = [
     "TooManyExceptionsError",
     "TracerlError",
     "TrainConfig",
+    "TrainEvent",
     "TrainableModel",
     "TrainingError",
     "Trajectory",
@@ -86,6 +98,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    """The backends load on first use: they bring torch and FastAPI (local) or httpx (remote)."""
     if name == "LocalBackend":
         from .backend.local import LocalBackend
 

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Callable
+
+from .core.errors import ConfigError, TracerlError
+from .core.net import is_loopback
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
@@ -72,9 +76,10 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
     proxy = LiteLLMProxy(upstream_base_url=args.backend_url, model_names=args.model,
                          upstream_api_key=args.api_key, host=args.host, port=args.port,
                          python=args.litellm_python)
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"tracerl: warning: the proxy listens on {args.host}; anyone who can reach it and "
-              "holds the master key can use the model", file=sys.stderr)
+    if not is_loopback(args.host):
+        logging.getLogger(__name__).warning(
+            "the proxy listens on %s; anyone who can reach it and holds the master key can use "
+            "the model", args.host)
     with proxy:
         print(f"LiteLLM proxy: {proxy.base_url}\nmaster key:    {proxy.master_key}\n"
               f"send header x-rollout-id: <rollout id> with each request; Ctrl-C stops", flush=True)
@@ -90,7 +95,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import os
 
     from .remote.serve import parse_base_models, serve
-    from .core.errors import ConfigError
 
     api_key = os.environ.get(args.api_key_env) or None
     if args.api_key_file:
@@ -163,11 +167,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def configure_logging(command: str) -> None:
+    """The CLI's log lines on stderr, as ``tracerl COMMAND: message`` (library code only logs)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"tracerl {command}: %(message)s"))
+    root = logging.getLogger("tracerl")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
-    from .core.errors import TracerlError
-
+    configure_logging(args.command)
     try:
         return func(args)
     except TracerlError as e:
@@ -175,5 +187,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,12 @@
+"""backend: the GPU side, where calls are served, recorded and trained on. Imports ``core``.
+
+In flow order (one request, then one training step):
+- ``gateway.py``: the OpenAI-compatible endpoint; routes a call to its model's engine.
+- ``request_body.py``: request bodies read under size limits (gateway and control API).
+- ``recorder.py``: turns engine answers into token-exact ``LLMCall`` records, kept per rollout.
+- ``engines/``: vLLM (a server subprocess) and transformers (in process) behind ``Engine``.
+- ``chat_template.py``: chat templates, the same for serving and training.
+- ``weights.py``: ``base_model`` to a local folder (the embedded SmolLM2 included).
+- ``training/``: rows, advantages, loss, the policy, and the step itself (``step.py``).
+- ``local.py``: ``LocalBackend``, which holds the resources: gateway, engines, policies.
+"""

@@ -20,10 +20,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..core.context import MAX_TAGS_BYTES, ROLLOUT_HEADER, TAGS_HEADER
-from ..core.errors import EngineError
-from ..core.plugins import get_plugin_manager
+from ..core.engine import Engine, EngineError, EngineRequestError
+from ..core.errors import ConfigError, RequestError, TracerlError, error_type
+from ..core.lifecycle import llm_call_recorded
 from ..core.storage import ModelStore, validate_name
-from ..core.engine import Engine, EngineRequestError, EngineUnavailableError
 from .recorder import (
     CallStore,
     StreamAssembler,
@@ -31,19 +31,21 @@ from .recorder import (
     inject_training_fields,
     strip_for_caller,
 )
-from .request_body import BadBodyError, BodyTooLargeError, parse_json_object, read_limited_body
+from .request_body import parse_json_object, read_limited_body
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 
 
-def openai_error(status: int, message: str, *, type_: str | None = None, param: str | None = None,
+def openai_error(status: int, message: str, *, param: str | None = None,
                  code: str | None = None) -> JSONResponse:
-    if type_ is None:
-        type_ = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                 413: "invalid_request_error", 503: "service_unavailable", 504: "timeout"}.get(
-                     status, "invalid_request_error" if status < 500 else "server_error")
+    """An OpenAI-shaped error answer (the gateway's and the control API's)."""
     return JSONResponse(status_code=status, content={
-        "error": {"message": message, "type": type_, "param": param, "code": code}})
+        "error": {"message": message, "type": error_type(status), "param": param, "code": code}})
+
+
+def error_response(e: TracerlError) -> JSONResponse:
+    """The answer for one of tracerl's errors: its status and code from the error tree."""
+    return openai_error(e.status, str(e), param=getattr(e, "param", None), code=e.code)
 
 
 class _SwapLock:
@@ -110,6 +112,12 @@ class ServedModel:
     step: int = 0
     swap: _SwapLock = field(default_factory=_SwapLock)
 
+    async def swap_adapter(self, step: int, path: Any) -> None:
+        """Serve checkpoint ``step`` once calls in flight have finished (new calls wait)."""
+        async with self.swap:
+            await self.engine.load_adapter(self.name, path)
+            self.step = step
+
     def resolve(self, requested: str) -> tuple[str, int | None]:
         """Engine model name and adapter step for a requested model name."""
         if requested == self.engine.spec.served_name and requested != self.name:
@@ -162,13 +170,6 @@ class Gateway:
                                      status=404, param="model", code="model_not_found")
         engine_model, step = served.resolve(requested)
         return served, engine_model, step
-
-    async def swap_adapter(self, name: str, step: int, path: Any) -> None:
-        """Serve checkpoint ``step`` of model ``name`` once calls in flight have finished."""
-        served = self.models[name]
-        async with served.swap:
-            await served.engine.load_adapter(name, path)
-            served.step = step
 
     def _schedule_restart(self, engine: Engine) -> None:
         task = self._restarts.get(id(engine))
@@ -230,12 +231,7 @@ class Gateway:
         return app
 
     async def _read_body(self, request: Request) -> dict[str, Any]:
-        try:
-            return parse_json_object(await read_limited_body(request, MAX_BODY_BYTES))
-        except BodyTooLargeError as e:
-            raise EngineRequestError(str(e), status=413) from None
-        except BadBodyError as e:  # bad encoding or not a JSON object
-            raise EngineRequestError(str(e)) from None
+        return parse_json_object(await read_limited_body(request, MAX_BODY_BYTES))
 
     @staticmethod
     def _check_body(endpoint: str, body: dict[str, Any]) -> None:
@@ -264,10 +260,10 @@ class Gateway:
             who = Attribution(rollout_id, parse_tags(request.headers.get(TAGS_HEADER)))
             self._check_body(endpoint, body)
             served, engine_model, step = self._route(body.get("model"))
-        except EngineRequestError as e:
-            return openai_error(e.status, str(e), param=e.param, code=e.code)
-        except ValueError as e:
-            return openai_error(400, str(e), param="rollout_id")
+        except (EngineRequestError, RequestError) as e:
+            return error_response(e)
+        except ConfigError as e:  # the rollout id
+            return openai_error(e.status, str(e), param="rollout_id", code=e.code)
 
         engine_body = inject_training_fields(endpoint, {**body, "model": engine_model})
         timeout = served.engine.spec.config.request_timeout_s
@@ -283,13 +279,15 @@ class Gateway:
             call = served.engine.chat if endpoint == "chat.completions" else served.engine.completions
             response = await asyncio.wait_for(call(engine_body), timeout)
         except EngineRequestError as e:
-            return openai_error(e.status, str(e), param=e.param, code=e.code)
-        except (EngineUnavailableError, EngineError) as e:
+            return error_response(e)
+        except TimeoutError:  # the gateway's deadline, or the engine's transport
             self._schedule_restart(served.engine)
-            return openai_error(503, f"the inference engine is unavailable and is being restarted: {e}")
-        except TimeoutError:
+            return openai_error(504, f"the engine did not answer within {timeout} s",
+                                code="engine_timeout")
+        except EngineError as e:
             self._schedule_restart(served.engine)
-            return openai_error(504, f"the engine did not answer within {timeout} s")
+            return openai_error(503, "the inference engine is unavailable and is being "
+                                f"restarted: {e}", code=e.code)
         finally:
             await served.swap.release_read()
         response["model"] = body["model"]
@@ -313,7 +311,7 @@ class Gateway:
 
         def notify(done: asyncio.Future) -> None:
             if not done.cancelled() and done.exception() is None:
-                get_plugin_manager().hook.tracerl_on_llm_call(call=call)
+                llm_call_recorded(call)
 
         written.add_done_callback(notify)
         await asyncio.shield(written)
@@ -330,8 +328,8 @@ class Gateway:
             first = None
         except EngineRequestError as e:
             await served.swap.release_read()
-            return openai_error(e.status, str(e), param=e.param, code=e.code)
-        except (EngineUnavailableError, EngineError, TimeoutError) as e:
+            return error_response(e)
+        except (EngineError, TimeoutError) as e:
             await served.swap.release_read()
             self._schedule_restart(served.engine)
             return openai_error(503, f"the inference engine is unavailable: {e}")
@@ -350,7 +348,7 @@ class Gateway:
                     except StopAsyncIteration:
                         chunk = None
                 yield b"data: [DONE]\n\n"
-            except (EngineUnavailableError, EngineError, TimeoutError) as e:
+            except (EngineError, TimeoutError) as e:
                 error = f"stream broke off: {e or type(e).__name__}"
                 self._schedule_restart(served.engine)
                 payload = {"error": {"message": error, "type": "service_unavailable", "param": None, "code": None}}

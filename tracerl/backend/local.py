@@ -7,26 +7,32 @@ and engine work never block each other; training runs in a worker thread.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from ..core.backend import Backend, InferenceEndpoint, TrainEvent
 from ..core.config import TrainConfig
-from ..core.errors import ConfigError, EngineError, TrainingError
+from ..core.engine import Engine, EngineError, EngineSpec
+from ..core.errors import ConfigError, TrainingError
 from ..core.hookspecs import hookimpl
-from ..core.metrics import summarize_groups
-from ..core.plugins import collect_classes, get_plugin_manager
-from ..core.storage import ModelStore, atomic_directory
-from ..core.trajectory import LLMCall, TrajectoryGroup, write_groups_jsonl
-from ..core.backend import Backend, InferenceEndpoint
-from ..core.engine import Engine, EngineSpec
+from ..core.model_spec import ModelLike, ModelSpec, spec_of
+from ..core.net import is_loopback
+from ..core.plugins import collect_classes
+from ..core.storage import ModelStore
+from ..core.trajectory import LLMCall, TrajectoryGroup, read_groups_jsonl, write_groups_jsonl
+from .training.step import train_step
+
+if TYPE_CHECKING:
+    from .training.trainer import Trainer
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def choose_engine(requested: str) -> type[Engine]:
@@ -81,8 +87,26 @@ class _GatewayThread:
         self.sock.close()
 
 
+class _ServingOnGateway:
+    """A model's engine and route, driven from a training step (on the gateway's loop)."""
+
+    def __init__(self, gateway: _GatewayThread, route: Any, engine: Engine) -> None:
+        self.gateway, self.route, self.engine = gateway, route, engine
+
+    async def sleep(self) -> None:
+        await self.gateway.call(self.engine.sleep())
+
+    async def wake_up(self) -> None:
+        await self.gateway.call(self.engine.wake_up())
+
+    async def publish(self, step: int, adapter: Path) -> None:
+        await self.gateway.call(self.route.swap_adapter(step, adapter))
+
+
 class LocalBackend(Backend):
-    """Serve and train models on this machine.
+    """Serve and train models on this machine: the gateway, one engine per served base model
+    and one policy (trainer) per trained model. The step itself is
+    :func:`tracerl.backend.training.step.train_step`.
 
     ART's ``in_process`` is accepted for ported scripts: here the gateway and trainer always run
     in this process and vLLM in a subprocess of its own, whichever value it has."""
@@ -91,24 +115,26 @@ class LocalBackend(Backend):
 
     def __init__(self, *, path: str | Path | None = None, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, engine: str | None = None,
-                 in_process: bool = False) -> None:
+                 in_process: bool = False, heartbeat_s: float = 30.0) -> None:
         from .gateway import Gateway
 
         del in_process
-        if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
-            raise ConfigError(f"binding the gateway to {host} needs an api_key (loopback is the default)")
+        if not is_loopback(host) and not api_key:
+            raise ConfigError(f"binding the gateway to {host} needs an api_key "
+                              "(loopback is the default)")
         self.path = Path(path if path is not None else ".tracerl")
         self.host, self.port = host, port
         self.api_key = api_key
         self.engine_override = engine
+        self.heartbeat_s = heartbeat_s
         self.gateway = Gateway(api_key=api_key)
         self._thread: _GatewayThread | None = None
         self._engines: dict[tuple[Path, str, str], Engine] = {}
         self._stores: dict[str, ModelStore] = {}
-        self._trainers: dict[str, Any] = {}
+        self._policies: dict[str, Trainer] = {}
         self._train_lock = asyncio.Lock()
 
-    # --- helpers ---------------------------------------------------------------------------
+    # --- resources -------------------------------------------------------------------------
 
     def _gateway(self) -> _GatewayThread:
         if self._thread is None:
@@ -119,6 +145,10 @@ class LocalBackend(Backend):
         """Run ``coro`` on the gateway's loop and wait for it, from a thread with no running
         loop (the ``tracerl serve`` main thread)."""
         return asyncio.run_coroutine_threadsafe(coro, self._gateway().loop).result(timeout)
+
+    async def call_on_gateway(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the gateway's loop (where engines and routes live) and await it."""
+        return await self._gateway().call(coro)
 
     @property
     def serving(self) -> bool:
@@ -131,134 +161,120 @@ class LocalBackend(Backend):
         host = f"[{t.host}]" if ":" in t.host else t.host
         return f"http://{host}:{t.port}/v1"
 
-    def store(self, model: Any) -> ModelStore:
-        key = f"{model.project}/{model.name}"
-        if key not in self._stores:
-            self._stores[key] = ModelStore(self.path, model.project, model.name)
-        return self._stores[key]
+    def store(self, model: ModelLike) -> ModelStore:
+        """The folder of ``model`` under this backend's path."""
+        model = spec_of(model)
+        if model.key not in self._stores:
+            self._stores[model.key] = ModelStore(self.path, model.project, model.name)
+        return self._stores[model.key]
+
+    async def _engine_for(self, model: ModelSpec, model_path: Path) -> Engine:
+        """The engine serving ``model_path`` the way ``model`` wants (started on first use);
+        models share an engine only when they serve the same weights the same way."""
+        key = (model_path, model.config.engine.model_dump_json(),
+               model.config.lora.model_dump_json())
+        engine = self._engines.get(key)
+        if engine is None:
+            cls = choose_engine(self.engine_override or model.config.engine.engine)
+            engine = cls(EngineSpec(model_path=model_path, served_name=model_path.name,
+                                    config=model.config.engine, lora=model.config.lora))
+            await self._gateway().call(engine.start())
+            self._engines[key] = engine
+        return engine
+
+    def _policy(self, model: ModelSpec) -> Trainer:
+        """The trained policy of ``model`` (loaded on first use, from its newest checkpoint)."""
+        from .training.trainer import Trainer
+
+        store = self.store(model)
+        key = str(store.root)
+        if key not in self._policies:
+            engine = self.gateway.models[model.name].engine
+            step = store.latest_step()
+            self._policies[key] = Trainer(
+                model_path=engine.spec.model_path, lora=model.config.lora,
+                adapter_path=store.checkpoint_dir(step) if step > 0 else None,
+                chat_template=model.config.engine.chat_template,
+            )
+        return self._policies[key]
 
     # --- Backend API -----------------------------------------------------------------------
 
-    async def register(self, model: Any) -> InferenceEndpoint:
+    async def register(self, model: ModelLike) -> InferenceEndpoint:
         from .gateway import ServedModel
         from .weights import resolve_base_model
 
+        model = spec_of(model)
         if not model.base_model:
-            raise ConfigError(f"{model!r} has no base_model to serve")
+            raise ConfigError(f"model {model.key} has no base_model to serve")
         store = self.store(model)
         store.remove_partial_checkpoints()
-        store.write_definition({"name": model.name, "project": model.project,
-                                "base_model": model.base_model, "trainable": model.trainable,
-                                "config": model.config.model_dump()})
+        store.write_definition(model.definition())
         model_path = await asyncio.to_thread(resolve_base_model, model.base_model)
-        gateway = self._gateway()
-        # models share an engine only when they serve the same weights the same way
-        engine_key = (model_path, model.config.engine.model_dump_json(), model.config.lora.model_dump_json())
-        engine = self._engines.get(engine_key)
-        if engine is None:
-            cls = choose_engine(self.engine_override or model.config.engine.engine)
-            served_name = model_path.name
-            engine = cls(EngineSpec(model_path=model_path, served_name=served_name,
-                                    config=model.config.engine, lora=model.config.lora))
-            await gateway.call(engine.start())
-            self._engines[engine_key] = engine
+        engine = await self._engine_for(model, model_path)
         if engine.spec.served_name == model.name:
-            raise ConfigError(f"model name {model.name!r} collides with its base model's served name")
+            raise ConfigError(f"model name {model.name!r} collides with its base model's "
+                              "served name")
         existing = self.gateway.models.get(model.name)
         if existing is None or existing.store.root != store.root:
             self.gateway.add_model(ServedModel(name=model.name, engine=engine, store=store))
+        route = self.gateway.models[model.name]
         step = store.latest_step()
-        if step > 0 and self.gateway.models[model.name].step != step:
-            await gateway.call(self.gateway.swap_adapter(model.name, step, store.checkpoint_dir(step)))
+        if step > 0 and route.step != step:
+            await self._gateway().call(route.swap_adapter(step, store.checkpoint_dir(step)))
         return InferenceEndpoint(self.base_url, self.api_key or "tracerl-local", model.name)
 
-    async def pending_groups(self, model: Any) -> list[TrajectoryGroup]:
+    async def pending_groups(self, model: ModelLike) -> list[TrajectoryGroup]:
         """Groups saved for a step whose training never finished (a crash): train on them again
         with ``await model.train(await backend.pending_groups(model))``."""
-        from ..core.trajectory import read_groups_jsonl
-
         store = self.store(model)
         path = store.trajectories_path("train", store.latest_step() + 1)
         return read_groups_jsonl(path) if path.exists() else []
 
-    async def get_step(self, model: Any) -> int:
+    async def get_step(self, model: ModelLike) -> int:
         return self.store(model).latest_step()
 
-    async def fetch_calls(self, model: Any, rollout_id: str) -> list[LLMCall]:
+    async def fetch_calls(self, model: ModelLike, rollout_id: str) -> list[LLMCall]:
         return self.gateway.calls.take(self.store(model), rollout_id)
 
-    async def log(self, model: Any, groups: list[TrajectoryGroup], split: str, step: int,
+    async def log(self, model: ModelLike, groups: list[TrajectoryGroup], split: str, step: int,
                   metrics: dict[str, float]) -> None:
         store = self.store(model)
         path = store.trajectories_path(split, step)
         write_groups_jsonl(path, groups, append=True)  # several log() calls of one step add up
         store.log_history(step, split, metrics)
 
-    async def history(self, model: Any) -> list[dict[str, Any]]:
+    async def history(self, model: ModelLike) -> list[dict[str, Any]]:
         return self.store(model).history()
 
-    async def delete_checkpoints(self, model: Any, keep_steps: set[int]) -> list[int]:
+    async def delete_checkpoints(self, model: ModelLike, keep_steps: set[int]) -> list[int]:
         return self.store(model).delete_checkpoints(keep_steps)
 
-    def _trainer(self, model: Any) -> Any:
-        from .training.trainer import Trainer
-
-        store = self.store(model)
-        key = str(store.root)
-        if key not in self._trainers:
-            engine = self.gateway.models[model.name].engine
-            step = store.latest_step()
-            self._trainers[key] = Trainer(
-                model_path=engine.spec.model_path, lora=model.config.lora,
-                adapter_path=store.checkpoint_dir(step) if step > 0 else None,
-                chat_template=model.config.engine.chat_template,
-            )
-        return self._trainers[key]
-
-    async def train(self, model: Any, groups: list[TrajectoryGroup], config: TrainConfig
-                    ) -> AsyncIterator[dict[str, float]]:
-        if model.name not in self.gateway.models:
-            raise TrainingError(f"{model!r} is not registered with this backend")
+    async def train(self, model: ModelLike, groups: list[TrajectoryGroup], config: TrainConfig
+                    ) -> AsyncIterator[TrainEvent]:
+        model = spec_of(model)
+        route = self.gateway.models.get(model.name)
+        if route is None:
+            raise TrainingError(f"model {model.key} is not registered with this backend")
         if self._train_lock.locked():
-            raise TrainingError("a training step of this backend is already running; await it first")
+            raise TrainingError("a training step of this backend is already running; "
+                                "await it first")
         async with self._train_lock:
             store = self.store(model)
-            step = store.latest_step() + 1
-            write_groups_jsonl(store.trajectories_path("train", step), groups)  # before training
-            hook = get_plugin_manager().hook
-            # hooks run in a worker thread: a slow plugin must not stall the gateway's loop
-            await asyncio.to_thread(hook.tracerl_before_train_step, model=model, step=step,
-                                    groups=groups, config=config)
-            engine = self.gateway.models[model.name].engine
-            await self._gateway().call(engine.sleep())  # frees GPU memory where the engine can
-            try:
-                trainer = await asyncio.to_thread(self._trainer, model)
-                started = time.perf_counter()
-                metrics = await asyncio.to_thread(trainer.train_step, groups, config)
-            finally:
-                await self._gateway().call(engine.wake_up())
-            if metrics.get("skipped"):
-                print(f"[tracerl] step {step} skipped: {metrics.get('skip_reason', 'no data')}",
-                      file=sys.stderr)
-            with atomic_directory(store.checkpoint_dir(step)) as tmp:
-                await asyncio.to_thread(trainer.save, tmp)
-            await self._gateway().call(
-                self.gateway.swap_adapter(model.name, step, store.checkpoint_dir(step)))
-            metrics = {**summarize_groups(groups), **metrics,
-                       "seconds": time.perf_counter() - started}  # reward curves need the rewards
-            store.log_history(step, "train", metrics)
-            await asyncio.to_thread(hook.tracerl_after_train_step, model=model, step=step, metrics=metrics)
-            await asyncio.to_thread(hook.tracerl_log_metrics, model=model, step=step, split="train",
-                                    metrics=metrics)
-            yield metrics
+            async for event in train_step(
+                    store.latest_step() + 1, groups, config, store=store,
+                    load_policy=lambda: self._policy(model),
+                    serving=_ServingOnGateway(self._gateway(), route, route.engine),
+                    heartbeat_s=self.heartbeat_s):
+                yield event
 
     async def close(self) -> None:
         for engine in self._engines.values():
             if self._thread is not None:
                 try:
                     await self._thread.call(engine.stop())
-                except Exception as e:
-                    print(f"tracerl: stopping engine {engine.name} failed: {e}", file=sys.stderr)
+                except Exception:
+                    log.exception("stopping engine %s failed", engine.name)
         self._engines.clear()
         if self._thread is not None:
             self._thread.stop()

@@ -12,17 +12,7 @@ from typing import Any
 
 from fastapi import Request
 
-
-class BodyTooLargeError(ValueError):
-    """The body is larger than the endpoint accepts (HTTP 413)."""
-
-
-class BadBodyError(ValueError):
-    """The body is not what the endpoint reads (HTTP 400)."""
-
-
-class BadBodyEncodingError(BadBodyError):
-    """The body's Content-Encoding is unknown or its data is corrupt (HTTP 400)."""
+from ..core.errors import BadBodyEncodingError, BodyTooLargeError, RequestError
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
@@ -30,14 +20,15 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadBodyError(f"request body is not valid JSON: {e}") from None
+        raise RequestError(f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
-        raise BadBodyError("request body must be a JSON object")
+        raise RequestError("request body must be a JSON object")
     return body
 
 
 async def read_limited_body(request: Request, limit: int) -> bytes:
-    """The request body, decompressed if gzipped; raises :class:`BodyTooLargeError` past ``limit``."""
+    """The request body, decompressed if gzipped; raises :class:`BodyTooLargeError` past
+    ``limit``."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise BodyTooLargeError(f"request body of {length} bytes is over the limit of {limit} bytes")

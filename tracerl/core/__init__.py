@@ -1,0 +1,23 @@
+"""core: the data model and the contracts every stage builds on. It imports nothing else of
+tracerl, so any stage may import it (``tests/test_layout.py`` checks).
+
+Data model:
+- ``errors.py``: the one exception tree, with each error's code and HTTP status.
+- ``validated.py``: the pydantic base whose errors name the field.
+- ``config.py``: ``TrainConfig``, ``LoraConfig``, ``EngineConfig``, ``ModelConfig``.
+- ``model_spec.py``: ``ModelSpec``, what a backend knows of a model.
+- ``context.py``: the current rollout (a ``ContextVar``) and call tags.
+- ``spans.py``: framework structure of a rollout, linked to its LLM calls.
+- ``trajectory.py``: token-exact call records, trajectories, groups, their JSONL form.
+- ``metrics.py``: aggregate metrics of groups.
+- ``storage.py``: a model's folder, atomic writes, append-only JSONL.
+- ``net.py``: loopback addresses, free ports, child process groups.
+
+Contracts:
+- ``backend.py``: the ``Backend`` contract and its ``TrainEvent`` stream.
+- ``engine.py``: the ``Engine`` contract (and its errors).
+- ``hookspecs.py``: every plugin hook, documented.
+- ``plugins.py``: the plugin manager (built-ins, enabled loggers, entry points).
+- ``lifecycle.py``: where every hook is fired.
+- ``art_compat.py``: OpenPipe ART compatibility: every ART-only behaviour, listed.
+"""

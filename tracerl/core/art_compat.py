@@ -1,9 +1,42 @@
-"""ART's advanced configuration dicts (``art.dev``) translated into tracerl's typed configs.
+"""OpenPipe ART compatibility: ART code ports by changing ``import art`` to ``import tracerl as art``.
 
-``TrainableModel(_internal_config=...)`` and ``model.train(..., _config=...)`` accept what ART
-scripts pass. Keys with an exact tracerl equivalent are mapped; vLLM engine arguments without one
-become vLLM flags (except those tracerl sets itself: model, LoRA, host/port, sleep mode, auto tool
-choice); anything else is refused with a ConfigError naming the key, never silently dropped.
+Every behaviour that exists only because ART has it, and where it lives:
+
+Import paths (thin modules at the top of the package):
+- ``tracerl.local`` (``LocalBackend``), ``tracerl.utils`` (``iterate_dataset``,
+  ``limit_concurrency``), ``tracerl.dev`` (ART's config dicts), ``tracerl.rewards``
+  (``ruler_score_group``, ``ruler``), ``tracerl.langgraph`` (``init_chat_model``,
+  ``wrap_rollout``); ``tracerl/__init__.py`` exports the ART aliases in their own block.
+
+Data model (``core/trajectory.py``):
+- ``TrajectoryGroup(rollout_coroutines)`` returns an awaitable ``PendingTrajectoryGroup``
+  (run by ``rollout/gather.py``); exceptions among a group's trajectories are its failed
+  rollouts (``asyncio.gather(return_exceptions=True)`` results).
+- ``Trajectory.additional_histories`` / ``History``: kept, trained rendered only when a rollout
+  has no token records, shown to the RULER judge.
+
+Configuration (translated here, key by key; unknown keys raise ``ConfigError`` naming them):
+- ``TrainableModel(_internal_config=art.dev.InternalModelConfig(...))``:
+  :func:`model_config_from_art`.
+- ``model.train(groups, config, _config=art.dev.TrainConfig(...))``: :func:`train_options_from_art`.
+- ``TrainConfig(kl_penalty_coef=...)`` (alias of ``beta``) and
+  ``kl_penalty_source="current_learner"`` (``core/config.py``).
+
+Model and backend (``rollout/model.py``, ``backend/local.py``):
+- ``model.litellm_completion_params(step)``; ``model.delete_checkpoints()`` keeping the best
+  ``"val/reward"`` (ART's default, and its ``"split/metric"`` form).
+- ``LocalBackend(path=None, in_process=...)``: ``in_process`` is accepted and changes nothing.
+
+Rollouts (``rollout/gather.py``, ``rollout/dataset.py``, ``rollout/concurrency.py``):
+- ``gather_trajectory_groups(pbar_desc=, pbar_total_completion_tokens=, max_metrics=)``.
+- ``iterate_dataset(dataset, groups_per_step, num_epochs, initial_step, use_tqdm)``;
+  ``limit_concurrency(n, derive_key)``.
+
+Integrations:
+- ``ruler_score_group(group, judge_model="openai/o3", extra_litellm_params=, rubric=,
+  swallow_exceptions=, debug=)`` (``ruler/judge.py``).
+- ``init_chat_model()`` without a model inside ``wrap_rollout(model, fn)``
+  (``integrations/langchain.py``).
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from .lifecycle import rollout_started
+
 T = TypeVar("T")
 
 ROLLOUT_HEADER = "x-rollout-id"
@@ -52,27 +54,14 @@ _current: contextvars.ContextVar[RolloutContext | None] = contextvars.ContextVar
 _call_tags: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
     "tracerl_call_tags", default=None
 )
-EnterHook = Callable[[RolloutContext], Callable[[], None] | None]
-_enter_hooks: list[EnterHook] = []
-
-
-def on_rollout_enter(hook: EnterHook) -> None:
-    """Run ``hook(ctx)`` in the rollout's own context each time a rollout starts.
-
-    Framework adapters use it to switch themselves on inside rollouts (e.g. the LangChain
-    callback handler). The hook may return a function that undoes what it did; it runs when
-    a ``rollout_scope`` block ends (rollouts run by gather end with their task's context).
-    """
-    if hook not in _enter_hooks:
-        _enter_hooks.append(hook)
 
 
 def enter_rollout(ctx: RolloutContext) -> tuple[contextvars.Token[RolloutContext | None],
                                                   list[Callable[[], None]]]:
-    """Make ``ctx`` the current rollout and run the enter hooks; returns what undoes it."""
+    """Make ``ctx`` the current rollout and fire ``tracerl_rollout_started`` in its context;
+    returns what undoes both."""
     token = _current.set(ctx)
-    undo = [u for hook in _enter_hooks if (u := hook(ctx)) is not None]
-    return token, undo
+    return token, rollout_started(ctx)
 
 
 def new_rollout_id() -> str:

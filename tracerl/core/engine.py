@@ -1,4 +1,4 @@
-"""The engine interface: what the gateway needs from an inference engine.
+"""The engine contract: what the gateway needs from an inference engine, and its errors.
 
 Engines speak OpenAI-shaped JSON with vLLM's extras, whatever they run on: a chat response has
 ``prompt_token_ids`` at the top level and ``token_ids`` plus ``logprobs`` on every choice. That
@@ -14,21 +14,10 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from .config import EngineConfig, LoraConfig
+from .errors import EngineError, EngineRequestError, EngineTimeoutError, EngineUnavailableError
 
-
-class EngineRequestError(Exception):
-    """The request is invalid for the engine (becomes an OpenAI-style 4xx)."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 code: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.param = param
-        self.code = code
-
-
-class EngineUnavailableError(Exception):
-    """The engine is down or restarting (becomes a 503)."""
+__all__ = ["Engine", "EngineError", "EngineRequestError", "EngineSpec", "EngineTimeoutError",
+           "EngineUnavailableError"]
 
 
 @dataclass(frozen=True)

@@ -1,50 +1,171 @@
-"""Exception types. Every error names the problem and, where it can, the fix."""
+"""Every exception tracerl raises, in one tree. Each names the problem and, where it can, the fix.
+
+::
+
+    TracerlError                          server_error           500
+    ├── InvalidTrajectoryError (ValueError)   invalid_trajectory     400
+    ├── ConfigError (ValueError)              invalid_config         400
+    ├── RequestError (ValueError)             invalid_request        400
+    │   ├── BadBodyEncodingError              bad_encoding           400
+    │   └── BodyTooLargeError                 body_too_large         413
+    ├── AuthenticationError (PermissionError) invalid_api_key        401
+    ├── NotRegisteredError (RuntimeError)     model_not_registered   404
+    ├── PluginError (RuntimeError)            plugin_error           500
+    ├── RolloutTimeoutError (TimeoutError)    rollout_timeout        504
+    ├── TooManyExceptionsError (RuntimeError) too_many_exceptions    500
+    ├── EngineError (RuntimeError)            engine_error           503
+    │   ├── EngineUnavailableError            engine_unavailable     503
+    │   ├── EngineTimeoutError (TimeoutError) engine_timeout         504
+    │   └── EngineRequestError                (per request: 400, 404, ...)
+    ├── TrainingError (RuntimeError)          training_failed        500
+    │   ├── TrainConflictError                training_conflict      409
+    │   └── QueueFullError                    queue_full             429
+    ├── BackendUnavailableError (ConnectionError)  backend_unavailable  503
+    ├── RemoteError (RuntimeError)            (the server's code and status)
+    └── RulerError (RuntimeError)             ruler_failed           502
+
+The two columns are the error's ``code`` and HTTP ``status``: the one table that the gateway, the
+``tracerl serve`` control API and the remote client share. A server answers
+``{"error": {"message", "type", "code", "param"}}`` with ``status``; the client raises
+:func:`exception_for` of it, the same class again.
+"""
 
 from __future__ import annotations
+
+from typing import Any, ClassVar
 
 
 class TracerlError(Exception):
     """Base class of all tracerl errors."""
 
+    code: ClassVar[str] = "server_error"
+    status: ClassVar[int] = 500
+
 
 class InvalidTrajectoryError(TracerlError, ValueError):
     """A trajectory, group or message failed validation."""
+
+    code = "invalid_trajectory"
+    status = 400
 
 
 class ConfigError(TracerlError, ValueError):
     """A configuration value is invalid."""
 
-
-class NotRegisteredError(TracerlError, RuntimeError):
-    """The model was used before ``await model.register(backend)``."""
-
-
-class PluginError(TracerlError, RuntimeError):
-    """A plugin could not be loaded or is incompatible with this tracerl."""
+    code = "invalid_config"
+    status = 400
 
 
-class RolloutTimeoutError(TracerlError, TimeoutError):
-    """A rollout ran past its timeout."""
+class RequestError(TracerlError, ValueError):
+    """An HTTP request is malformed (not JSON, not an object, a bad header...)."""
+
+    code = "invalid_request"
+    status = 400
 
 
-class TooManyExceptionsError(TracerlError, RuntimeError):
-    """More rollouts failed than ``max_exceptions`` allows."""
+class BadBodyEncodingError(RequestError):
+    """The body's Content-Encoding is unknown or its data is corrupt."""
+
+    code = "bad_encoding"
 
 
-class EngineError(TracerlError, RuntimeError):
-    """The inference engine failed or is unavailable."""
+class BodyTooLargeError(RequestError):
+    """The body is larger than the endpoint accepts."""
 
-
-class TrainingError(TracerlError, RuntimeError):
-    """A training step could not run."""
+    code = "body_too_large"
+    status = 413
 
 
 class AuthenticationError(TracerlError, PermissionError):
     """A server refused the API key (or none was sent)."""
 
+    code = "invalid_api_key"
+    status = 401
+
+
+class NotRegisteredError(TracerlError, RuntimeError):
+    """The model was used before ``await model.register(backend)``."""
+
+    code = "model_not_registered"
+    status = 404
+
+
+class PluginError(TracerlError, RuntimeError):
+    """A plugin could not be loaded or is incompatible with this tracerl."""
+
+    code = "plugin_error"
+
+
+class RolloutTimeoutError(TracerlError, TimeoutError):
+    """A rollout ran past its timeout."""
+
+    code = "rollout_timeout"
+    status = 504
+
+
+class TooManyExceptionsError(TracerlError, RuntimeError):
+    """More rollouts failed than ``max_exceptions`` allows."""
+
+    code = "too_many_exceptions"
+
+
+class EngineError(TracerlError, RuntimeError):
+    """The inference engine failed or is unavailable."""
+
+    code = "engine_error"
+    status = 503
+
+
+class EngineUnavailableError(EngineError):
+    """The engine is down or restarting."""
+
+    code = "engine_unavailable"
+
+
+class EngineTimeoutError(EngineError, TimeoutError):
+    """The engine did not answer within its deadline."""
+
+    code = "engine_timeout"
+    status = 504
+
+
+class EngineRequestError(EngineError):
+    """The request is invalid for the engine; ``status``, ``param`` and ``code`` are the
+    OpenAI-style answer (400 unless said otherwise)."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status  # type: ignore[misc]  # per request, unlike the class default
+        self.param = param
+        self.code = code or "invalid_request"  # type: ignore[misc]
+
+
+class TrainingError(TracerlError, RuntimeError):
+    """A training step could not run."""
+
+    code = "training_failed"
+
+
+class TrainConflictError(TrainingError):
+    """Another training request of the same model is queued or running."""
+
+    code = "training_conflict"
+    status = 409
+
+
+class QueueFullError(TrainingError):
+    """Too many training requests are waiting."""
+
+    code = "queue_full"
+    status = 429
+
 
 class BackendUnavailableError(TracerlError, ConnectionError):
     """A remote backend could not be reached, or kept failing, until the retry budget ran out."""
+
+    code = "backend_unavailable"
+    status = 503
 
 
 class RemoteError(TracerlError, RuntimeError):
@@ -52,5 +173,56 @@ class RemoteError(TracerlError, RuntimeError):
 
     def __init__(self, message: str, status: int | None = None, code: str | None = None) -> None:
         super().__init__(message)
-        self.status = status
-        self.code = code
+        self.status = status or 500  # type: ignore[misc]
+        self.code = code or "server_error"  # type: ignore[misc]
+
+
+class RulerError(TracerlError, RuntimeError):
+    """The RULER judge could not produce valid scores."""
+
+    code = "ruler_failed"
+    status = 502
+
+
+def _subclasses(cls: type[TracerlError]) -> list[type[TracerlError]]:
+    return [cls] + [s for sub in cls.__subclasses__() for s in _subclasses(sub)]
+
+
+def error_classes() -> dict[str, type[TracerlError]]:
+    """Error code -> exception class, for every class in the tree with a fixed code."""
+    table: dict[str, type[TracerlError]] = {}
+    for cls in _subclasses(TracerlError):
+        if cls in (EngineRequestError, RemoteError):
+            continue  # their code is the answer's, not the class's
+        table.setdefault(cls.code, cls)
+    return table
+
+
+def status_of(exc: BaseException) -> int:
+    """The HTTP status an exception is answered with (500 for anything not ours)."""
+    return exc.status if isinstance(exc, TracerlError) else 500
+
+
+def code_of(exc: BaseException) -> str:
+    """The wire code of an exception ('server_error' for anything not ours)."""
+    return exc.code if isinstance(exc, TracerlError) else "server_error"
+
+
+def error_type(status: int) -> str:
+    """The OpenAI-style ``type`` of an error answer with ``status``."""
+    return {401: "authentication_error", 503: "service_unavailable", 504: "timeout"}.get(
+        status, "invalid_request_error" if status < 500 else "server_error")
+
+
+def exception_for(status: int, payload: Any) -> TracerlError:
+    """The exception a client raises for an error answer: the class its code names."""
+    err = payload.get("error") if isinstance(payload, dict) else None
+    message = err.get("message") if isinstance(err, dict) else None
+    code = err.get("code") if isinstance(err, dict) else None
+    message = message or f"HTTP {status}: {str(payload)[:500]}"
+    cls = error_classes().get(code or "")
+    if cls is not None and cls is not TracerlError:
+        return cls(message)
+    if status == 401:
+        return AuthenticationError(message)
+    return RemoteError(message, status=status, code=code)

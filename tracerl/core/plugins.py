@@ -1,16 +1,24 @@
-"""The plugin manager: loads plugins from the ``tracerl`` entry-point group.
+"""The plugin manager: tracerl's built-in plugins, then the ``tracerl`` entry-point group.
+
+Built-in plugins are listed here by name and module (:data:`BUILTIN_PLUGINS`), the way pytest
+lists its default plugins; third-party plugins come from entry points. Loggers are registered
+only when enabled (:data:`LOGGERS`, turned on by ``TRACERL_LOGGERS``), like pytest's junitxml:
+a logger that is off is not loaded at all.
 
 Environment:
+    ``TRACERL_LOGGERS``        comma-separated loggers to turn on: wandb, langfuse, weave
+    ``TRACERL_QUIET``          set to 1 to turn off the console logger
     ``TRACERL_BLOCK_PLUGINS``  comma-separated plugin names never to load
-    ``TRACERL_TRACE_PLUGINS``  set to 1 to print every hook call
+    ``TRACERL_TRACE_PLUGINS``  set to 1 to log every hook call (logger ``tracerl.plugins``)
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import inspect
+import logging
 import os
-import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +29,23 @@ from . import hookspecs
 from .errors import PluginError
 
 ENTRY_POINT_GROUP = "tracerl"
+log = logging.getLogger(__name__)
+
+# name -> module; each module holds @hookimpl functions
+BUILTIN_PLUGINS = {
+    "transformers_engine": "tracerl.backend.engines.transformers_engine",
+    "vllm_engine": "tracerl.backend.engines.vllm_engine",
+    "local_backend": "tracerl.backend.local",
+    "remote_backend": "tracerl.remote.client",
+    "ruler": "tracerl.ruler.plugin",
+}
+# logger name (as in TRACERL_LOGGERS) -> "module:factory"; the factory makes the plugin object
+LOGGERS = {
+    "console": "tracerl.integrations.console_logger:ConsoleLogger",
+    "wandb": "tracerl.integrations.wandb_logger:WandbLogger",
+    "langfuse": "tracerl.integrations.langfuse_logger:LangfuseLogger",
+    "weave": "tracerl.integrations.weave_logger:WeaveLogger",
+}
 
 _lock = threading.Lock()
 _manager: pluggy.PluginManager | None = None
@@ -45,8 +70,42 @@ def _check_api(name: str, plugin: Any) -> None:
         )
 
 
-def _load_entry_points(pm: pluggy.PluginManager) -> None:
-    blocked = {b.strip() for b in os.environ.get("TRACERL_BLOCK_PLUGINS", "").split(",") if b.strip()}
+def _blocked() -> set[str]:
+    return {b.strip() for b in os.environ.get("TRACERL_BLOCK_PLUGINS", "").split(",") if b.strip()}
+
+
+def enabled_loggers() -> list[str]:
+    """The loggers ``TRACERL_LOGGERS`` turns on, plus the console one unless TRACERL_QUIET=1."""
+    names = [n.strip() for n in os.environ.get("TRACERL_LOGGERS", "").split(",") if n.strip()]
+    unknown = [n for n in names if n not in LOGGERS]
+    if unknown:
+        raise PluginError(f"TRACERL_LOGGERS names unknown loggers {unknown}; "
+                          f"known: {sorted(LOGGERS)}")
+    console = [] if os.environ.get("TRACERL_QUIET") == "1" else ["console"]
+    return [*console, *dict.fromkeys(n for n in names if n != "console")]
+
+
+def _load_builtins(pm: pluggy.PluginManager, blocked: set[str]) -> None:
+    for name, module in BUILTIN_PLUGINS.items():
+        if name not in blocked:
+            pm.register(importlib.import_module(module), name=name)
+            _dist_info[name] = ("tracerl", _version())
+    for name in enabled_loggers():
+        if name in blocked:
+            continue
+        module, _, factory = LOGGERS[name].partition(":")
+        pm.register(getattr(importlib.import_module(module), factory)(), name=f"{name}_logger")
+        _dist_info[f"{name}_logger"] = ("tracerl", _version())
+
+
+def _version() -> str | None:
+    try:
+        return importlib.metadata.version("tracerl")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _load_entry_points(pm: pluggy.PluginManager, blocked: set[str]) -> None:
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         if ep.name in blocked or pm.get_plugin(ep.name) is not None or pm.is_blocked(ep.name):
             continue
@@ -58,20 +117,19 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
         pm.register(plugin, name=ep.name)
         dist = ep.dist
         _dist_info[ep.name] = (dist.name if dist else None, dist.version if dist else None)
-    for name in blocked:
-        pm.set_blocked(name)
 
 
 def _new_manager() -> pluggy.PluginManager:
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
-    _load_entry_points(pm)
-    if not any(dist == "tracerl" for dist, _ in _dist_info.values()):
-        print("tracerl: warning: the tracerl distribution is not installed (no entry points); "
-              "built-in plugins are missing. Run `pip install -e .`", file=sys.stderr)
+    blocked = _blocked()
+    _load_builtins(pm, blocked)
+    _load_entry_points(pm, blocked)
+    for name in blocked:
+        pm.set_blocked(name)
     pm.check_pending()
     if os.environ.get("TRACERL_TRACE_PLUGINS") == "1":
-        pm.trace.root.setwriter(lambda s: print(s, end="", file=sys.stderr))
+        pm.trace.root.setwriter(lambda s: log.debug("%s", s.rstrip()))
         pm.enable_tracing()
     return pm
 
@@ -175,18 +233,3 @@ def collect_classes(hook_name: str) -> dict[str, type]:
                                   f"{found[name].__module__} and {cls.__module__}")
             found[name] = cls
     return found
-
-
-async def await_maybe(value: Any) -> Any:
-    """Await ``value`` if it is awaitable (hooks may return coroutines)."""
-    if inspect.isawaitable(value):
-        return await value
-    return value
-
-
-async def score_group(group: Any, judge: str | None = None) -> Any:
-    """Score ``group`` with the first judge plugin that accepts it (``judge`` names one)."""
-    result = get_plugin_manager().hook.tracerl_score_group(group=group, judge=judge)
-    if result is None:
-        raise PluginError(f"no judge plugin scores groups (judge={judge!r}); see `tracerl plugins`")
-    return await await_maybe(result)

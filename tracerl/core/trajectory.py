@@ -5,12 +5,13 @@ Everything round-trips losslessly through JSON (``to_json`` / ``from_json``) and
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 import traceback
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from openai.types.chat.chat_completion import Choice
 from pydantic import (
@@ -22,8 +23,10 @@ from pydantic import (
     model_validator,
 )
 
+from .context import current_rollout
 from .errors import InvalidTrajectoryError
 from .spans import Span
+from .storage import atomic_write_text
 from .validated import Validated as _Validated
 from .validated import check_json
 
@@ -165,8 +168,6 @@ class Trajectory(Conversation):
 
     def __init__(self, **data: Any) -> None:
         if data.get("rollout_id") is None:
-            from .context import current_rollout
-
             ctx = current_rollout()
             if ctx is not None:
                 data["rollout_id"] = ctx.rollout_id
@@ -212,14 +213,24 @@ class RolloutException(_Validated):
         return cls(type=type(exc).__name__, message=str(exc), traceback=tb, rollout_id=rollout_id)
 
 
-_PENDING_ITEMS: dict[int, list[Any]] = {}
+class _GroupConstruction(type(BaseModel)):  # type: ignore[misc]
+    """``TrajectoryGroup(...)``: trajectories make a group; rollout awaitables (ART's way) make
+    a :class:`PendingTrajectoryGroup` to await. An iterable is read once, here."""
+
+    def __call__(cls, trajectories: Iterable[Any] | None = None, *args: Any, **kwargs: Any) -> Any:
+        if trajectories is not None and not isinstance(trajectories, list):
+            trajectories = list(trajectories)
+        if trajectories and any(inspect.isawaitable(t) for t in trajectories):
+            return PendingTrajectoryGroup(trajectories, **kwargs)
+        return super().__call__(trajectories, *args, **kwargs)
 
 
-class TrajectoryGroup(_Validated):
+class TrajectoryGroup(_Validated, metaclass=_GroupConstruction):
     """Trajectories of the same scenario, compared with each other by GRPO.
 
-    Like ART, passing awaitables (rollout coroutines) returns an awaitable group: awaiting it runs
-    the rollouts concurrently, each in its own rollout context, and keeps per-rollout exceptions.
+    Like ART, passing awaitables (rollout coroutines) returns a :class:`PendingTrajectoryGroup`:
+    awaiting it runs the rollouts concurrently, each in its own rollout context, and keeps
+    per-rollout exceptions.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -228,28 +239,13 @@ class TrajectoryGroup(_Validated):
     exceptions: list[RolloutException] = Field(default_factory=list)
     metadata: dict[str, Any] = Field(default_factory=dict)
 
-    def __new__(cls, trajectories: Iterable[Any] | None = None, *args: Any, **kwargs: Any) -> Any:
-        if trajectories is None or isinstance(trajectories, list):
-            items = trajectories
-        else:
-            items = list(trajectories)
-            _PENDING_ITEMS[id(trajectories)] = items
-        if items and any(hasattr(t, "__await__") for t in items):
-            _PENDING_ITEMS.pop(id(trajectories), None)
-            from ..rollout.gather import PendingTrajectoryGroup
-
-            return PendingTrajectoryGroup(items, **kwargs)
-        return super().__new__(cls)
-
     def __init__(
-        self, trajectories: Iterable[Trajectory | BaseException] | None = None, *,
+        self, trajectories: list[Trajectory | BaseException] | None = None, *,
         exceptions: Iterable[BaseException | RolloutException | dict[str, Any]] = (),
         metadata: dict[str, Any] | None = None, **data: Any,
     ) -> None:
         if trajectories is None:
             trajectories = data.pop("trajectories", [])
-        elif not isinstance(trajectories, list):
-            trajectories = _PENDING_ITEMS.pop(id(trajectories), None) or list(trajectories)
         # as in ART, exceptions among the trajectories (asyncio.gather(return_exceptions=True))
         # are the group's failed rollouts
         failed = [t for t in trajectories if isinstance(t, BaseException)]
@@ -260,20 +256,55 @@ class TrajectoryGroup(_Validated):
         ]
         if not trajectories and not excs:
             raise InvalidTrajectoryError(
-                "a TrajectoryGroup needs at least one trajectory (or the exceptions of its failed rollouts)"
+                "a TrajectoryGroup needs at least one trajectory "
+                "(or the exceptions of its failed rollouts)"
             )
         for i, t in enumerate(trajectories):
             if not isinstance(t, Trajectory | dict):
                 raise InvalidTrajectoryError(
                     f"trajectories[{i}] is a {type(t).__name__}, not a Trajectory"
                 )
-        super().__init__(trajectories=trajectories, exceptions=excs, metadata=metadata or {}, **data)
+        super().__init__(trajectories=trajectories, exceptions=excs, metadata=metadata or {},
+                         **data)
 
     def __len__(self) -> int:
         return len(self.trajectories)
 
     def __iter__(self):  # type: ignore[override]
         return iter(self.trajectories)
+
+
+RunRollouts = Callable[["PendingTrajectoryGroup", "int | None"], Awaitable[TrajectoryGroup]]
+
+
+class PendingTrajectoryGroup:
+    """Rollouts not yet run: what ``TrajectoryGroup(rollout_coroutines)`` returns (ART's API).
+
+    Await it, or pass it to ``gather_trajectory_groups``, to run the rollouts. How they run is
+    the rollout stage's business: ``tracerl.rollout.gather`` installs :attr:`run_rollouts`.
+    """
+
+    run_rollouts: ClassVar[RunRollouts | None] = None
+
+    def __init__(self, awaitables: list[Awaitable[Trajectory]], *, exceptions: Iterable[Any] = (),
+                 metadata: dict[str, Any] | None = None) -> None:
+        self.awaitables = awaitables
+        self.exceptions = list(exceptions)
+        self.metadata = metadata or {}
+
+    def __len__(self) -> int:
+        return len(self.awaitables)
+
+    def run(self, group_index: int | None = None) -> Awaitable[TrajectoryGroup]:
+        """Run the rollouts (``group_index``: the group's place in a gather)."""
+        run = type(self).run_rollouts
+        if run is None:
+            raise RuntimeError("awaiting a TrajectoryGroup of rollouts needs tracerl.rollout "
+                               "(import tracerl)")
+        return run(self, group_index)
+
+    def __await__(self) -> Any:
+        return self.run().__await__()
 
 
 
@@ -284,8 +315,6 @@ def group_lines(groups: Iterable[TrajectoryGroup]) -> str:
 
 def write_groups_jsonl(path: Path, groups: Iterable[TrajectoryGroup], append: bool = False) -> None:
     """Write groups to ``path`` atomically, one group per line (after its lines, if ``append``)."""
-    from .storage import atomic_write_text
-
     existing = Path(path).read_text() if append and Path(path).exists() else ""
     atomic_write_text(path, existing + group_lines(groups))
 

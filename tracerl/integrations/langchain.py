@@ -4,9 +4,10 @@
   attributed to the rollout that makes it (token records come from the gateway, since
   LangChain drops vLLM's token ids).
 - :class:`TracerlCallbackHandler` records chains, LangGraph nodes, chat-model and tool runs as
-  spans. Importing this module installs it, through LangChain's ``register_configure_hook``,
-  into every run that happens inside a tracerl rollout; runs outside rollouts are untouched.
-  It can also be passed explicitly: ``config={"callbacks": [TracerlCallbackHandler()]}``.
+  spans. :func:`install` (called by :func:`init_chat_model`, :func:`wrap_rollout` and
+  :func:`graph_rollout`) puts it, through LangChain's ``register_configure_hook``, into every
+  run that happens inside a tracerl rollout; runs outside rollouts are untouched. It can also
+  be passed explicitly: ``config={"callbacks": [TracerlCallbackHandler()]}``.
 - :func:`wrap_rollout` (ART-style) and :func:`graph_rollout` (an existing compiled graph plus
   a reward function) turn agent code into rollouts that return trajectories.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextvars
 import inspect
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 from uuid import UUID
@@ -23,10 +25,13 @@ from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.messages import BaseMessage, convert_to_openai_messages
 from langchain_core.tracers.context import register_configure_hook
 
-from ..rollout.client import async_http_client, sync_http_client
-from ..core.context import RolloutContext, on_rollout_enter
-from ..rollout.gather import run_as_rollout
+from ..core.context import RolloutContext
+from ..core.hookspecs import hookimpl
+from ..core.plugins import get_plugin_manager
+from ..core.plugins import register as register_plugin
 from ..core.trajectory import Trajectory
+from ..rollout.client import async_http_client, sync_http_client
+from ..rollout.gather import run_as_rollout
 from .span_recorder import SpanRecorder, short
 
 HIDDEN_TAG = "langsmith:hidden"
@@ -128,15 +133,27 @@ def _serialized_name(serialized: dict[str, Any] | None) -> str | None:
 
 _handler: contextvars.ContextVar[TracerlCallbackHandler | None] = contextvars.ContextVar(
     "tracerl_langchain_handler", default=None)
-register_configure_hook(_handler, inheritable=True, handle_class=TracerlCallbackHandler)
+PLUGIN_NAME = "langchain"
+_install_lock = threading.Lock()
 
 
-def _enable_in_rollout(ctx: RolloutContext) -> Callable[[], None]:
-    token = _handler.set(TracerlCallbackHandler(ctx))
-    return lambda: _handler.reset(token)
+class _RolloutHandlers:
+    """The plugin that gives every rollout its own callback handler."""
+
+    @hookimpl
+    def tracerl_rollout_started(self, rollout: RolloutContext) -> Callable[[], None]:
+        token = _handler.set(TracerlCallbackHandler(rollout))
+        return lambda: _handler.reset(token)
 
 
-on_rollout_enter(_enable_in_rollout)
+def install() -> None:
+    """Record LangChain runs inside rollouts from now on (idempotent): LangChain's configure
+    hook reads the handler that the ``tracerl_rollout_started`` plugin sets per rollout."""
+    with _install_lock:
+        if get_plugin_manager().get_plugin(PLUGIN_NAME) is not None:
+            return
+        register_configure_hook(_handler, inheritable=True, handle_class=TracerlCallbackHandler)
+        register_plugin(_RolloutHandlers(), name=PLUGIN_NAME)
 
 
 # --- chat model and rollouts ------------------------------------------------------------------
@@ -154,6 +171,7 @@ def init_chat_model(model: Any = None, **kwargs: Any) -> Any:
     """
     from langchain_openai import ChatOpenAI
 
+    install()
     if model is None or isinstance(model, str):
         wrapped = _WRAPPED_MODEL.get()
         if wrapped is None:
@@ -178,6 +196,8 @@ def wrap_rollout(model: Any, fn: Callable[..., Awaitable[Any]]) -> Callable[...,
     which case the trajectory is the conversation of the rollout's last recorded LLM call.
     Works inside ``gather_trajectory_groups`` and on its own.
     """
+    install()
+
     async def rollout(*args: Any, **kwargs: Any) -> Trajectory:
         async def run() -> Trajectory:
             token = _WRAPPED_MODEL.set(model)  # init_chat_model() inside fn serves this model
@@ -204,6 +224,8 @@ def graph_rollout(graph: Any, reward: RewardFn, *, config: dict[str, Any] | None
     ``reward(graph_input, final_state)`` (sync or async) returns a number or
     ``(number, metrics)``. The trajectory's messages are the final state's ``messages``.
     """
+    install()
+
     async def rollout(graph_input: Any) -> Trajectory:
         async def run() -> Trajectory:
             state = await graph.ainvoke(graph_input, config=config)

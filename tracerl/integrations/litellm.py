@@ -15,14 +15,9 @@ LiteLLM's call id and timing. For agents in other languages see ``tracerl proxy`
 from __future__ import annotations
 
 import json
-import os
 import uuid
 from collections import OrderedDict
 from typing import Any
-
-# LiteLLM fetches a model cost map from GitHub at import unless told otherwise
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-os.environ.setdefault("LITELLM_OFFLINE_MODE", "true")
 
 from litellm.integrations.custom_logger import CustomLogger
 

@@ -14,8 +14,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +23,7 @@ from pathlib import Path
 import httpx2
 
 from ..core.context import ROLLOUT_HEADER, TAGS_HEADER
+from ..core.net import free_port, stop_process_group
 
 CALLBACK_MODULE = "tracerl_proxy_callback"
 
@@ -68,12 +67,6 @@ def write_proxy_config(directory: Path, *, upstream_base_url: str, upstream_api_
     return path
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _litellm_command(python: str | None) -> list[str]:
     python = python or os.environ.get("TRACERL_LITELLM_PYTHON") or sys.executable
     cli = Path(os.path.abspath(python)).parent / "litellm"  # abspath: a venv's python is a symlink
@@ -107,7 +100,7 @@ class LiteLLMProxy:
     def start(self) -> LiteLLMProxy:
         config = write_proxy_config(self.directory, upstream_base_url=self.upstream_base_url,
                                     upstream_api_key=self.upstream_api_key, model_names=self.model_names)
-        self.port = self.port or _free_port(self.host)
+        self.port = self.port or free_port(self.host)
         env = {**os.environ, "LITELLM_MASTER_KEY": self.master_key, "LITELLM_LOCAL_MODEL_COST_MAP": "True",
                "LITELLM_OFFLINE_MODE": "true", "PYTHONPATH": str(self.directory)}
         log = open(self.directory / "proxy.log", "wb")
@@ -131,14 +124,8 @@ class LiteLLMProxy:
                            f"see {self.directory / 'proxy.log'}")
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(15)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        if self.process is not None:
+            stop_process_group(self.process, 15)
 
     def __enter__(self) -> LiteLLMProxy:
         return self.start()

@@ -29,13 +29,19 @@ from typing import Any, TypeVar
 
 import httpx2
 
+from ..core.backend import Backend, InferenceEndpoint, TrainEvent
 from ..core.config import TrainConfig
-from ..core.errors import BackendUnavailableError, NotRegisteredError, TrainingError
+from ..core.errors import (
+    BackendUnavailableError,
+    NotRegisteredError,
+    TrainingError,
+    exception_for,
+)
 from ..core.hookspecs import hookimpl
-from ..core.plugins import get_plugin_manager
+from ..core.model_spec import ModelLike, spec_of
+from ..core.net import is_loopback
 from ..core.trajectory import LLMCall, TrajectoryGroup, parse_group_lines
-from .wire import API_PREFIX, NDJSON, encode_groups, exception_for
-from ..core.backend import Backend, InferenceEndpoint
+from .wire import API_PREFIX, NDJSON, encode_groups
 
 T = TypeVar("T")
 RETRY_STATUSES = {502, 503, 504}
@@ -77,7 +83,7 @@ class RemoteBackend(Backend):
                  compress_uploads: bool = True) -> None:
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
         url = httpx2.URL(self.base_url)
-        if url.scheme == "http" and url.host not in ("127.0.0.1", "localhost", "::1"):
+        if url.scheme == "http" and not is_loopback(url.host):
             warnings.warn(f"{self.base_url} is plain HTTP: the API key and the trajectories cross the "
                           "network unencrypted; put the server behind TLS (https://)", stacklevel=2)
         self.api_key = api_key if api_key is not None else os.environ.get("TRACERL_API_KEY")
@@ -127,7 +133,7 @@ class RemoteBackend(Backend):
             raise exception_for(response.status_code, payload)
         return response
 
-    async def _call(self, method: str, path: str, *, model: Any = None, json_body: Any = None,
+    async def _call(self, method: str, path: str, *, model: ModelLike | None = None, json_body: Any = None,
                     content: bytes | None = None, headers: dict[str, str] | None = None) -> Any:
         """An idempotent request, retried; re-registers ``model`` if the server forgot it."""
         async def attempt() -> Any:
@@ -138,13 +144,13 @@ class RemoteBackend(Backend):
         try:
             response = await self._with_retries(f"{method} {path}", attempt)
         except NotRegisteredError:
-            if model is None or f"{model.project}/{model.name}" not in self._models:
+            if model is None or spec_of(model).key not in self._models:
                 raise
             await self.register(model)
             response = await self._with_retries(f"{method} {path}", attempt)
         return response
 
-    def _model_path(self, model: Any) -> str:
+    def _model_path(self, model: ModelLike) -> str:
         return f"/models/{model.project}/{model.name}"
 
     def _upload(self, params: dict[str, Any], groups: list[TrajectoryGroup]) -> tuple[bytes, dict[str, str]]:
@@ -157,11 +163,10 @@ class RemoteBackend(Backend):
 
     # --- Backend API -----------------------------------------------------------------------
 
-    async def register(self, model: Any) -> InferenceEndpoint:
-        definition = {"name": model.name, "project": model.project, "base_model": model.base_model,
-                      "trainable": model.trainable, "config": model.config.model_dump(mode="json")}
-        response = await self._call("POST", "/models", json_body=definition)
-        self._models[f"{model.project}/{model.name}"] = model
+    async def register(self, model: ModelLike) -> InferenceEndpoint:
+        model = spec_of(model)
+        response = await self._call("POST", "/models", json_body=model.definition())
+        self._models[model.key] = model
         info = response.json()
         return InferenceEndpoint(self.base_url + info["gateway_path"], self.api_key or "tracerl-remote",
                                  info["model_name"])
@@ -170,16 +175,15 @@ class RemoteBackend(Backend):
         """The server's state: ready, models and their steps, training requests in progress."""
         return (await self._call("GET", "/status")).json()
 
-    async def get_step(self, model: Any) -> int:
+    async def get_step(self, model: ModelLike) -> int:
         return (await self._call("GET", self._model_path(model), model=model)).json()["step"]
 
-    async def train(self, model: Any, groups: list[TrajectoryGroup], config: TrainConfig
-                    ) -> AsyncIterator[dict[str, float]]:
+    async def train(self, model: ModelLike, groups: list[TrajectoryGroup], config: TrainConfig
+                    ) -> AsyncIterator[TrainEvent]:
         request_id = "train-" + uuid.uuid4().hex
         body, headers = self._upload({"request_id": request_id, "config": config.model_dump(mode="json")},
                                      groups)
         path = API_PREFIX + self._model_path(model) + "/train"
-        hook = get_plugin_manager().hook
         backoff, started = _Backoff(self.retry_for_s), False
         while True:
             connected = False
@@ -194,19 +198,14 @@ class RemoteBackend(Backend):
                         kind = event.get("event")
                         if kind == "started" and not started:
                             started = True
-                            hook.tracerl_before_train_step(model=model, step=event["step"],
-                                                           groups=groups, config=config)
+                            yield TrainEvent("started", event["step"])
                         elif kind == "heartbeat":
-                            yield {"step": float(event.get("step") or 0),
-                                   "elapsed_s": float(event.get("elapsed_s", 0.0))}
+                            yield TrainEvent("heartbeat", event.get("step") or 0,
+                                             elapsed_s=float(event.get("elapsed_s", 0.0)))
                         elif kind == "error":
                             raise exception_for(500, {"error": event})
                         elif kind == "done":
-                            metrics = event["metrics"]
-                            hook.tracerl_after_train_step(model=model, step=event["step"], metrics=metrics)
-                            hook.tracerl_log_metrics(model=model, step=event["step"], split="train",
-                                                     metrics=metrics)
-                            yield metrics
+                            yield TrainEvent("done", event["step"], metrics=event["metrics"])
                             return
                     raise _Retry("the progress stream ended before the step did")
             except (_Retry, httpx2.TransportError) as e:
@@ -222,7 +221,7 @@ class RemoteBackend(Backend):
                     f"{self.retry_for_s:.0f} s (last problem: {problem}); the server keeps the "
                     "step's trajectories: `await backend.pending_groups(model)`")
 
-    async def log(self, model: Any, groups: list[TrajectoryGroup], split: str, step: int,
+    async def log(self, model: ModelLike, groups: list[TrajectoryGroup], split: str, step: int,
                   metrics: dict[str, float]) -> None:
         params = {"request_id": "log-" + uuid.uuid4().hex, "split": split, "step": step,
                   "metrics": metrics}
@@ -230,19 +229,19 @@ class RemoteBackend(Backend):
         await self._call("POST", self._model_path(model) + "/log", model=model, content=body,
                          headers=headers)
 
-    async def fetch_calls(self, model: Any, rollout_id: str) -> list[LLMCall]:
+    async def fetch_calls(self, model: ModelLike, rollout_id: str) -> list[LLMCall]:
         response = await self._call("GET", f"{self._model_path(model)}/calls/{rollout_id}", model=model)
         return [LLMCall.model_validate(c) for c in response.json()]
 
-    async def history(self, model: Any) -> list[dict[str, Any]]:
+    async def history(self, model: ModelLike) -> list[dict[str, Any]]:
         return (await self._call("GET", self._model_path(model) + "/history", model=model)).json()
 
-    async def pending_groups(self, model: Any) -> list[TrajectoryGroup]:
+    async def pending_groups(self, model: ModelLike) -> list[TrajectoryGroup]:
         """Groups the server saved for a step whose training never finished."""
         response = await self._call("GET", self._model_path(model) + "/pending", model=model)
         return parse_group_lines(response.text.splitlines(), "pending groups")
 
-    async def delete_checkpoints(self, model: Any, keep_steps: set[int]) -> list[int]:
+    async def delete_checkpoints(self, model: ModelLike, keep_steps: set[int]) -> list[int]:
         response = await self._call("POST", self._model_path(model) + "/checkpoints/delete",
                                     model=model, json_body={"keep_steps": sorted(keep_steps)})
         return response.json()["deleted"]

@@ -18,22 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from ..core.config import TrainConfig
-from ..core.errors import ConfigError, TrainingError
+from ..core.errors import ConfigError, QueueFullError, TrainConflictError, code_of
+from ..core.lifecycle import train_event
+from ..core.model_spec import ModelSpec
 from ..core.storage import ModelStore, atomic_write_text, validate_name
 from ..core.trajectory import TrajectoryGroup, read_groups_jsonl
-from .wire import error_code
-
-
-class TrainConflictError(TrainingError):
-    """Another training request of the same model is queued or running (HTTP 409)."""
-
-    code = "training_conflict"
-
-
-class QueueFullError(TrainingError):
-    """Too many training requests are waiting (HTTP 429)."""
-
-    code = "queue_full"
 
 
 @dataclass
@@ -97,12 +86,12 @@ class TrainQueue:
         return [{"request_id": j.request_id, "model": j.model_key, "step": j.step, "state": j.state}
                 for j in self._jobs.values() if not j.finished]
 
-    def submit(self, model: Any, request_id: Any, groups: list[TrajectoryGroup],
+    def submit(self, model: ModelSpec, request_id: Any, groups: list[TrajectoryGroup],
                config: TrainConfig) -> TrainJob:
         """The job of ``request_id``: the running or finished one, a resumed one, or a new one."""
         store: ModelStore = self.backend.store(model)
         marker = request_marker(store, "train", request_id)  # validates the id
-        key = f"{model.project}/{model.name}"
+        key = model.key
         if (key, request_id) in self._jobs:
             return self._jobs[key, request_id]
         job = TrainJob(request_id=request_id, model_key=key)
@@ -147,7 +136,7 @@ class TrainQueue:
             del self._jobs[k]
         return job
 
-    async def _run(self, job: TrainJob, model: Any, store: ModelStore,
+    async def _run(self, job: TrainJob, model: ModelSpec, store: ModelStore,
                    groups: list[TrajectoryGroup], config: TrainConfig) -> None:
         async with self._slot:
             step = store.latest_step() + 1
@@ -155,11 +144,13 @@ class TrainQueue:
             _write_marker(store, job)
             try:
                 metrics: dict[str, float] = {}
-                async for progress in self.backend.train(model, groups, config):
-                    metrics = progress  # the last item is the step's metrics
+                async for event in self.backend.train(model, groups, config):
+                    await train_event(model, event, groups, config)  # the server's plugins
+                    if event.kind == "done":
+                        metrics = event.metrics
             except Exception as e:
                 await job.set(state="failed", error={
-                    "type": type(e).__name__, "code": error_code(e), "message": str(e)})
+                    "type": type(e).__name__, "code": code_of(e), "message": str(e)})
             else:
                 await job.set(state="done", metrics=metrics)
             _write_marker(store, job)

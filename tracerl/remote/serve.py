@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import logging
 import signal
-import sys
 import threading
 from pathlib import Path
 
+from ..backend.local import LocalBackend
 from ..core.errors import ConfigError
+from ..core.net import is_loopback
 from ..core.plugins import register as register_plugin
 from .server import ControlServer
-from ..backend.local import LocalBackend
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
+log = logging.getLogger(__name__)
 
 
 def parse_base_models(items: list[str]) -> dict[str, str]:
@@ -35,12 +36,12 @@ def serve(*, host: str, port: int, path: str, api_key: str | None, engine: str |
           max_upload_bytes: int = 256 * 1024 * 1024, max_queued: int = 4,
           heartbeat_s: float = 5.0, allow_engine_args: bool = False) -> int:
     """Serve until SIGTERM or Ctrl-C. Models registered earlier in ``path`` are served again."""
-    if host not in LOOPBACK and not api_key:
+    if not is_loopback(host) and not api_key:
         raise ConfigError(f"serving on {host} needs an API key (set TRACERL_API_KEY); "
                           "without one, only loopback (127.0.0.1) is allowed")
-    if host not in LOOPBACK:
-        print(f"tracerl serve: listening on {host} over plain HTTP; put a TLS-terminating proxy in "
-              "front of it so the API key and trajectories are encrypted", file=sys.stderr)
+    if not is_loopback(host):
+        log.warning("listening on %s over plain HTTP; put a TLS-terminating proxy in front of it "
+                    "so the API key and trajectories are encrypted", host)
     for module in plugins:
         register_plugin(importlib.import_module(module), name=module)
     backend = LocalBackend(path=path, host=host, port=port, api_key=api_key, engine=engine)
@@ -49,18 +50,18 @@ def serve(*, host: str, port: int, path: str, api_key: str | None, engine: str |
                             allow_engine_args=allow_engine_args)
     control.install(backend.gateway.app, backend.gateway.check_auth)
     url = backend.base_url.removesuffix("/v1")
-    print(f"tracerl serve: listening on {url} (data in {Path(path).resolve()})", flush=True)
+    log.info("listening on %s (data in %s)", url, Path(path).resolve())
     restored = backend.run_sync(control.restore(Path(path)))
-    print(f"tracerl serve: ready; models restored: {', '.join(restored) or 'none'}", flush=True)
+    log.info("ready; models restored: %s", ", ".join(restored) or "none")
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(0.5):
         if not backend.serving:
-            print("tracerl serve: the server thread died", file=sys.stderr)
+            log.error("the server thread died")
             return 1
-    print("tracerl serve: stopping", flush=True)
+    log.info("stopping")
     backend.run_sync(control.queue.close(), timeout=30)
     asyncio.run(backend.close())
     return 0

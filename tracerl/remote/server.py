@@ -10,66 +10,56 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ..backend.chat_template import BUILTIN_TEMPLATES
+from ..backend.gateway import error_response
+from ..backend.request_body import parse_json_object, read_limited_body
+from ..backend.weights import SMOLLM2_ALIASES
 from ..core.config import ModelConfig, TrainConfig
-from ..core.errors import (
-    ConfigError,
-    InvalidTrajectoryError,
-    NotRegisteredError,
-    TracerlError,
-)
-from ..rollout.model import Model, TrainableModel
+from ..core.errors import ConfigError, InvalidTrajectoryError, NotRegisteredError, TracerlError
+from ..core.model_spec import ModelSpec
 from ..core.storage import atomic_write_text, validate_name
 from ..core.trajectory import group_lines
-from .wire import API_PREFIX, NDJSON, decode_groups, error_code
-from ..backend.gateway import openai_error
-from ..backend.request_body import (
-    BadBodyEncodingError,
-    BadBodyError,
-    BodyTooLargeError,
-    parse_json_object,
-    read_limited_body,
-)
-from .jobs import QueueFullError, TrainConflictError, TrainQueue, request_marker
+from .jobs import TrainQueue, request_marker
+from .wire import API_PREFIX, NDJSON, decode_groups
+
+if TYPE_CHECKING:
+    from ..backend.local import LocalBackend
 
 SMALL_BODY_BYTES = 1024 * 1024
-
-_STATUS = {ConfigError: 400, InvalidTrajectoryError: 400, NotRegisteredError: 404,
-           TrainConflictError: 409, QueueFullError: 429}
 
 
 class ControlServer:
     """Registered models, the training queue and the routes that reach them."""
 
-    def __init__(self, backend: Any, *, max_upload_bytes: int = 256 * 1024 * 1024,
+    def __init__(self, backend: LocalBackend, *, max_upload_bytes: int = 256 * 1024 * 1024,
                  max_queued: int = 4, heartbeat_s: float = 5.0,
                  base_models: dict[str, str] | None = None, allow_engine_args: bool = False) -> None:
         self.backend = backend
         self.base_models = dict(base_models or {})
         self.allow_engine_args = allow_engine_args
         self.max_upload_bytes = max_upload_bytes
-        self.models: dict[str, Model] = {}
+        self.models: dict[str, ModelSpec] = {}
         self.queue = TrainQueue(backend, max_queued=max_queued, heartbeat_s=heartbeat_s)
         self._register_locks: dict[str, asyncio.Lock] = {}
         self.ready = False
 
     # --- models ----------------------------------------------------------------------------
 
-    def model(self, project: str, name: str) -> Model:
+    def model(self, project: str, name: str) -> ModelSpec:
         key = f"{validate_name('project', project)}/{validate_name('model', name)}"
         if key not in self.models:
-            raise NotRegisteredError(f"model {key} is not registered on this server; register it first")
+            raise NotRegisteredError(f"model {key} is not registered on this server; "
+                                     "register it first")
         return self.models[key]
 
     def _base_model_source(self, requested: Any) -> str:
         """What the server loads for a client's ``base_model``: an embedded model, or a name the
         operator mapped to a folder (``--base-model NAME=PATH``); never a client's path."""
-        from ..backend.weights import SMOLLM2_ALIASES
-
         if not isinstance(requested, str) or not requested:
             raise ConfigError("base_model must be a non-empty string")
         if requested in self.base_models:
@@ -80,90 +70,60 @@ class ControlServer:
         raise ConfigError(f"base_model {requested!r} is not offered by this server; it offers "
                           f"{offered} (the operator adds more with --base-model NAME=PATH)")
 
-    async def register(self, definition: dict[str, Any]) -> Model:
-        """Register (idempotently) the model a client describes."""
-        unknown = set(definition) - {"name", "project", "base_model", "trainable", "config"}
-        if unknown:
-            raise ConfigError(f"unknown registration fields: {sorted(unknown)}")
-        source = self._base_model_source(definition.get("base_model"))
-        try:
-            config = ModelConfig.model_validate(definition.get("config") or {})
-        except ValueError as e:
-            raise ConfigError(f"invalid model config: {e}") from None
-        self._check_client_engine_config(config)
-        return await self._add(definition.get("name"), definition.get("project"), source,
-                               bool(definition.get("trainable", True)), config)
+    async def register(self, definition: dict[str, Any]) -> ModelSpec:
+        """Register (idempotently) the model a client describes; validated before anything is
+        written."""
+        spec = ModelSpec.from_definition(definition)
+        self._check_client_engine_config(spec.config)
+        return await self._add(spec.model_copy(
+            update={"base_model": self._base_model_source(spec.base_model)}))
 
     def _check_client_engine_config(self, config: ModelConfig) -> None:
         """A client's config must not reach the server's filesystem: chat templates by built-in
         name only, and vLLM flags (which can name paths) only where the operator allows them."""
-        from ..backend.chat_template import BUILTIN_TEMPLATES
-
         template = config.engine.chat_template
         if template is not None and template not in BUILTIN_TEMPLATES:
-            raise ConfigError(f"chat_template {template!r}: remote clients may name a built-in template "
-                              f"({', '.join(sorted(BUILTIN_TEMPLATES))}), not a file on the server")
+            raise ConfigError(f"chat_template {template!r}: remote clients may name a built-in "
+                              f"template ({', '.join(sorted(BUILTIN_TEMPLATES))}), not a file on "
+                              "the server")
         if config.engine.extra_args and not self.allow_engine_args:
-            raise ConfigError("engine extra_args (vLLM flags, which can name server paths) are refused "
-                              "from remote clients; the operator allows them with "
+            raise ConfigError("engine extra_args (vLLM flags, which can name server paths) are "
+                              "refused from remote clients; the operator allows them with "
                               "`tracerl serve --allow-engine-args`")
 
-    async def _add(self, name: Any, project: Any, base_model: str, trainable: bool,
-                   config: ModelConfig) -> Model:
-        key = f"{validate_name('project', project)}/{validate_name('model', name)}"
-        cls = TrainableModel if trainable else Model
-        async with self._register_locks.setdefault(key, asyncio.Lock()):
-            existing = self.models.get(key)
+    async def _add(self, spec: ModelSpec) -> ModelSpec:
+        async with self._register_locks.setdefault(spec.key, asyncio.Lock()):
+            existing = self.models.get(spec.key)
             if existing is not None:
-                if (existing.base_model, existing.config, existing.trainable) != (base_model, config, trainable):
-                    raise ConfigError(f"model {key} is registered with another base model or config; "
-                                      "use a new model name for a different set-up")
+                if existing != spec:
+                    raise ConfigError(f"model {spec.key} is registered with another base model "
+                                      "or config; use a new model name for a different set-up")
                 return existing
-            model = cls(name=name, project=project, base_model=base_model, config=config)
-            await model.register(self.backend)
-            self.models[key] = model
-            return model
+            await self.backend.register(spec)
+            self.models[spec.key] = spec
+            return spec
 
     async def restore(self, base_path: Path) -> list[str]:
         """Register again every model this server's folder holds (after a restart)."""
         restored = []
         for definition_path in sorted(Path(base_path).glob("*/models/*/model.json")):
-            d = json.loads(definition_path.read_text())
-            await self._add(d["name"], d["project"], d["base_model"], d.get("trainable", True),
-                            ModelConfig.model_validate(d.get("config") or {}))
-            restored.append(f"{d['project']}/{d['name']}")
+            spec = await self._add(ModelSpec.from_definition(json.loads(definition_path.read_text())))
+            restored.append(spec.key)
         self.ready = True
         return restored
 
     # --- routes ----------------------------------------------------------------------------
 
-    async def _body(self, request: Request, limit: int) -> bytes:
-        try:
-            return await read_limited_body(request, limit)
-        except BodyTooLargeError as e:
-            raise _HTTPError(413, str(e), "body_too_large") from None
-        except BadBodyEncodingError as e:
-            raise _HTTPError(400, str(e), "bad_encoding") from None
-
     async def _json(self, request: Request) -> dict[str, Any]:
-        raw = await self._body(request, SMALL_BODY_BYTES)
-        try:
-            return parse_json_object(raw or b"{}")
-        except BadBodyError as e:
-            raise ConfigError(str(e)) from None
+        return parse_json_object(await read_limited_body(request, SMALL_BODY_BYTES) or b"{}")
 
     def install(self, app: FastAPI, check_auth: Any) -> None:
         """Add the control routes to ``app`` (the gateway's), guarded by ``check_auth``."""
         router = APIRouter(prefix=API_PREFIX)
 
-        @app.exception_handler(_HTTPError)
-        async def http_error(request: Request, e: _HTTPError) -> JSONResponse:
-            return openai_error(e.status, str(e), code=e.code)
-
         @app.exception_handler(TracerlError)
         async def tracerl_error(request: Request, e: TracerlError) -> JSONResponse:
-            status = next((s for cls, s in _STATUS.items() if isinstance(e, cls)), 500)
-            return openai_error(status, str(e), code=error_code(e))
+            return error_response(e)
 
         @app.middleware("http")
         async def authenticate(request: Request, call_next: Any) -> Any:
@@ -191,7 +151,7 @@ class ControlServer:
         @router.post("/models/{project}/{name}/train")
         async def train(project: str, name: str, request: Request) -> StreamingResponse:
             model = self.model(project, name)
-            params, groups = decode_groups(await self._body(request, self.max_upload_bytes))
+            params, groups = decode_groups(await read_limited_body(request, self.max_upload_bytes))
             try:
                 config = TrainConfig.model_validate(params.get("config") or {})
             except ValueError as e:
@@ -204,7 +164,7 @@ class ControlServer:
         @router.post("/models/{project}/{name}/log")
         async def log(project: str, name: str, request: Request) -> dict[str, Any]:
             model = self.model(project, name)
-            params, groups = decode_groups(await self._body(request, self.max_upload_bytes))
+            params, groups = decode_groups(await read_limited_body(request, self.max_upload_bytes))
             split, step = params.get("split"), params.get("step")
             metrics = params.get("metrics") or {}
             if not isinstance(step, int) or step < 0:
@@ -242,12 +202,6 @@ class ControlServer:
             return {"deleted": await self.backend.delete_checkpoints(model, set(keep))}
 
         app.include_router(router)
-
-
-class _HTTPError(Exception):
-    def __init__(self, status: int, message: str, code: str) -> None:
-        super().__init__(message)
-        self.status, self.code = status, code
 
 
 async def _ndjson(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:

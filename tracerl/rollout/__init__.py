@@ -1,0 +1,11 @@
+"""rollout: what runs in the user's process, beside the agent. Imports ``core`` only; needs
+neither torch nor a web framework.
+
+In flow order:
+- ``model.py``: ``Model`` / ``TrainableModel``, the user's handle: register, clients, train, log.
+- ``client.py``: OpenAI clients that attribute each request to the current rollout.
+- ``aiohttp_transport.py``: openai's aiohttp transport with network errors reported truly.
+- ``gather.py``: runs rollouts concurrently, each in its rollout context, under a timeout.
+- ``dataset.py``: ``iterate_dataset``, step-numbered batches resumable at any step.
+- ``concurrency.py``: ``limit_concurrency``, a per-event-loop limit on an async function.
+"""

@@ -10,6 +10,7 @@ import asyncio
 import contextvars
 import math
 import sys
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -17,10 +18,22 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from ..core.context import RolloutContext, current_rollout, enter_rollout, new_rollout_id, rollout_scope
+from ..core.context import (
+    RolloutContext,
+    current_rollout,
+    enter_rollout,
+    new_rollout_id,
+    rollout_scope,
+)
 from ..core.errors import RolloutTimeoutError, TooManyExceptionsError
+from ..core.lifecycle import trajectory_finished
 from ..core.spans import link_spans_to_calls
-from ..core.trajectory import RolloutException, Trajectory, TrajectoryGroup
+from ..core.trajectory import (
+    PendingTrajectoryGroup,
+    RolloutException,
+    Trajectory,
+    TrajectoryGroup,
+)
 
 DEFAULT_ROLLOUT_TIMEOUT_S = 600.0
 
@@ -135,10 +148,6 @@ def _attach_spans(trajectory: Trajectory, rollout: RolloutContext) -> None:
 
 async def finish_rollout(trajectory: Any, rollout: RolloutContext) -> Trajectory:
     """Validate a rollout's result, stamp it with its rollout id and attach its LLM calls."""
-    import time
-
-    from ..core.plugins import get_plugin_manager
-
     if not isinstance(trajectory, Trajectory):
         raise TypeError(
             f"a rollout must return a tracerl.Trajectory, got {type(trajectory).__name__}"
@@ -149,7 +158,7 @@ async def finish_rollout(trajectory: Any, rollout: RolloutContext) -> Trajectory
     await _attach_calls(trajectory, rollout)
     _attach_spans(trajectory, rollout)
     _fill_messages(trajectory)
-    get_plugin_manager().hook.tracerl_on_trajectory_end(trajectory=trajectory)
+    trajectory_finished(trajectory)
     return trajectory
 
 
@@ -182,59 +191,51 @@ async def run_as_rollout(fn: Callable[[], Awaitable[Any]]) -> Trajectory:
     return await finish_rollout(result, rollout)
 
 
-class PendingTrajectoryGroup:
-    """What ``TrajectoryGroup(rollout_coroutines)`` returns: await it to run the rollouts."""
+async def run_group(pending: PendingTrajectoryGroup, group_index: int | None = None
+                    ) -> TrajectoryGroup:
+    """Run the rollouts of a pending group concurrently, each in its own rollout context;
+    failed rollouts become the group's exceptions (within the gather's ``max_exceptions``)."""
+    gather = _gather_ctx.get()
+    own = gather is None
+    if gather is None:  # awaited on its own: keep every exception, raise none
+        gather = GatherContext(total=len(pending.awaitables), max_exceptions=math.inf,
+                               show_progress=False)
+    tasks = []
+    for i, aw in enumerate(pending.awaitables):
+        ctx = contextvars.copy_context()
+        tasks.append(asyncio.create_task(
+            _run_rollout(aw, gather.rollout_timeout, i, group_index), context=ctx))
+    trajectories: list[Trajectory] = []
+    exceptions = list(pending.exceptions)
+    try:
+        for task in tasks:
+            try:
+                traj = await asyncio.shield(task)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                exc = RolloutException.from_exception(e)
+                exceptions.append(exc)
+                gather.record(exc=exc)
+                gather.check_exceptions()
+            else:
+                trajectories.append(traj)
+                gather.record(trajectory=traj)
+    finally:
+        for task in tasks:
+            task.cancel()
+        if own:
+            gather.close()
+    return TrajectoryGroup(trajectories, exceptions=exceptions, metadata=pending.metadata)
 
-    def __init__(self, awaitables: list[Awaitable[Trajectory]], *, exceptions: Iterable[Any] = (),
-                 metadata: dict[str, Any] | None = None) -> None:
-        self.awaitables = awaitables
-        self.exceptions = list(exceptions)
-        self.metadata = metadata or {}
 
-    def __len__(self) -> int:
-        return len(self.awaitables)
-
-    def __await__(self):
-        return self.run().__await__()
-
-    async def run(self, group_index: int | None = None) -> TrajectoryGroup:
-        gather = _gather_ctx.get()
-        own = gather is None
-        if gather is None:  # awaited on its own: keep every exception, raise none
-            gather = GatherContext(total=len(self.awaitables), max_exceptions=math.inf,
-                                   show_progress=False)
-        tasks = []
-        for i, aw in enumerate(self.awaitables):
-            ctx = contextvars.copy_context()
-            tasks.append(asyncio.create_task(
-                _run_rollout(aw, gather.rollout_timeout, i, group_index), context=ctx))
-        trajectories: list[Trajectory] = []
-        exceptions = list(self.exceptions)
-        try:
-            for task in tasks:
-                try:
-                    traj = await asyncio.shield(task)
-                except asyncio.CancelledError:
-                    raise
-                except Exception as e:
-                    exc = RolloutException.from_exception(e)
-                    exceptions.append(exc)
-                    gather.record(exc=exc)
-                    gather.check_exceptions()
-                else:
-                    trajectories.append(traj)
-                    gather.record(trajectory=traj)
-        finally:
-            for task in tasks:
-                task.cancel()
-            if own:
-                gather.close()
-        return TrajectoryGroup(trajectories, exceptions=exceptions, metadata=self.metadata)
+# ``await TrajectoryGroup(rollouts)`` (ART's awaitable group) runs them here
+PendingTrajectoryGroup.run_rollouts = run_group
 
 
 async def _await_group(group: Any, index: int, after_each: AfterEach | None) -> list[TrajectoryGroup]:
     if isinstance(group, PendingTrajectoryGroup):
-        result = await group.run(group_index=index)
+        result = await run_group(group, group_index=index)
     else:
         result = await group
     if after_each is None:

@@ -3,25 +3,28 @@
 from __future__ import annotations
 
 import asyncio
-import sys
+import logging
 import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import openai
 
-from . import client as _client
 from ..core.art_compat import model_config_from_art, train_options_from_art
 from ..core.config import ModelConfig, TrainConfig
 from ..core.context import current_rollout
 from ..core.errors import ConfigError, InvalidTrajectoryError, NotRegisteredError
+from ..core.lifecycle import step_logged, train_event
 from ..core.metrics import summarize_groups
-from ..core.plugins import get_plugin_manager
+from ..core.model_spec import ModelSpec
 from ..core.storage import validate_name
 from ..core.trajectory import LLMCall, Trajectory, TrajectoryGroup
+from . import client as _client
 
 if TYPE_CHECKING:
     from ..core.backend import Backend
+
+log = logging.getLogger(__name__)
 
 
 def _as_groups(items: Iterable[Trajectory | TrajectoryGroup]) -> list[TrajectoryGroup]:
@@ -62,6 +65,12 @@ class Model:
         self._backend: Backend | None = None
         self._clients: dict[Any, Any] = {}
 
+    @property
+    def spec(self) -> ModelSpec:
+        """What backends and hooks are given: identity, base model and config."""
+        return ModelSpec(name=self.name, project=self.project, base_model=self.base_model,
+                         trainable=self.trainable, config=self.config)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, project={self.project!r}, base_model={self.base_model!r})"
 
@@ -69,7 +78,7 @@ class Model:
 
     async def register(self, backend: Backend) -> None:
         """Attach the model to ``backend``: it is then served and (if trainable) trainable."""
-        endpoint = await backend.register(self)
+        endpoint = await backend.register(self.spec)
         self._backend = backend
         self.inference_base_url = endpoint.base_url
         self.inference_api_key = endpoint.api_key
@@ -140,13 +149,13 @@ class Model:
         """The token records the backend holds for ``rollout_id``."""
         if self._backend is None:
             return []
-        return await self._backend.fetch_calls(self, rollout_id)
+        return await self._backend.fetch_calls(self.spec, rollout_id)
 
     # --- logging ---------------------------------------------------------------------------
 
     async def get_step(self) -> int:
         """The newest trained step (0 before the first)."""
-        return await self.backend.get_step(self)
+        return await self.backend.get_step(self.spec)
 
     async def log(self, trajectories: Iterable[Trajectory | TrajectoryGroup],
                   split: str = "val", metrics: dict[str, float] | None = None) -> dict[str, float]:
@@ -155,14 +164,12 @@ class Model:
         groups = _as_groups(trajectories)
         step = await self.get_step()
         summary = {**summarize_groups(groups), **(metrics or {})}
-        await self.backend.log(self, groups, split, step, summary)
-        hook = get_plugin_manager().hook
-        hook.tracerl_log_metrics(model=self, step=step, split=split, metrics=summary)
-        hook.tracerl_log_trajectories(model=self, step=step, split=split, groups=groups)
+        await self.backend.log(self.spec, groups, split, step, summary)
+        await step_logged(self.spec, step, split, summary, groups)
         return summary
 
     async def history(self) -> list[dict[str, Any]]:
-        return await self.backend.history(self)
+        return await self.backend.history(self.spec)
 
 
 def _has_loop() -> bool:
@@ -195,13 +202,16 @@ class TrainableModel(Model):
         groups = _as_groups(trajectory_groups)
         if not groups:
             raise InvalidTrajectoryError("train() got no trajectory groups")
-        final: dict[str, float] = {}
-        async for progress in self.backend.train(self, groups, config):
-            final = progress
+        spec = self.spec
+        metrics: dict[str, float] = {}
+        async for event in self.backend.train(spec, groups, config):
+            await train_event(spec, event, groups, config)
             if verbose:
-                print(f"[tracerl] {self.name}: " + ", ".join(
-                    f"{k}={v:.4g}" for k, v in progress.items()), file=sys.stderr)
-        return final
+                log.info("%s: step %d %s %s", self.name, event.step, event.kind, ", ".join(
+                    f"{k}={v:.4g}" for k, v in event.metrics.items()))
+            if event.kind == "done":
+                metrics = event.metrics
+        return metrics
 
     async def delete_checkpoints(self, best_checkpoint_metric: str | None = "val/reward",
                                  *, split: str = "val", keep_last: int = 1) -> list[int]:
@@ -218,4 +228,4 @@ class TrainableModel(Model):
                       if h.get("split") == split and best_checkpoint_metric in h]
             if scored:
                 keep.add(max(scored, key=lambda h: h[best_checkpoint_metric])["step"])
-        return await self.backend.delete_checkpoints(self, keep)
+        return await self.backend.delete_checkpoints(self.spec, keep)

@@ -1,4 +1,8 @@
-"""RULER: relative LLM judging of trajectory groups."""
+"""ruler: RULER, relative LLM judging of trajectory groups when there is no crisp reward.
+
+- ``judge.py``: the judge: prompt, schema-constrained answer, validation, retries, chunking.
+- ``plugin.py``: the judge as a ``tracerl_score_group`` plugin (judge name ``ruler``).
+"""
 
 from .judge import (
     DEFAULT_RUBRIC,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import sys
+import logging
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -24,8 +24,10 @@ from typing import Any
 
 from openai.types.chat.chat_completion import Choice
 
-from ..core.errors import TracerlError
+from ..core.errors import RulerError
 from ..core.trajectory import Trajectory, TrajectoryGroup
+
+log = logging.getLogger(__name__)
 
 DEFAULT_RUBRIC = """\
 - A trajectory that achieves its goal should always score higher than one that does not.
@@ -41,10 +43,6 @@ trajectory id exactly once.
 
 Rubric:
 {rubric}"""
-
-
-class RulerError(TracerlError):
-    """The judge did not produce valid scores within the retries."""
 
 
 def _plain(item: Any) -> dict[str, Any]:
@@ -228,7 +226,7 @@ class Ruler:
                 stats.completion_tokens += usage.completion_tokens or 0
             text = response.choices[0].message.content or ""
             if self.debug:
-                print(f"[ruler] {self.model} answered (attempt {attempt + 1}): {text}", file=sys.stderr)
+                log.warning("[ruler] %s answered (attempt %d): %s", self.model, attempt + 1, text)
             try:
                 scores = parse_judgement(text, ids)
             except ValueError as e:

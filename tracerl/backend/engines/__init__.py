@@ -1,0 +1,7 @@
+"""engines: inference engines behind :class:`tracerl.core.engine.Engine`.
+
+- ``vllm_engine.py``: a vLLM OpenAI server subprocess on loopback, LoRA hot-swap.
+- ``json_codec.py``: decoding vLLM's replies (orjson when installed).
+- ``transformers_engine.py``: in-process batched generation, the CPU fallback.
+- ``tool_parsers.py``: hermes tool-call parsing for the transformers engine.
+"""

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ...core.engine import Engine, EngineRequestError, EngineSpec, EngineUnavailableError
 from ...core.hookspecs import hookimpl
 from ..chat_template import apply_chat_template_override, render_prompt
 from .tool_parsers import PARSERS
-from ...core.engine import Engine, EngineRequestError, EngineSpec, EngineUnavailableError
 
 BATCH_WINDOW_S = 0.005
 

@@ -14,7 +14,6 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,11 +24,12 @@ from typing import Any
 
 import aiohttp
 
+from ...core.engine import Engine, EngineRequestError, EngineSpec, EngineUnavailableError
 from ...core.errors import EngineError
 from ...core.hookspecs import hookimpl
+from ...core.net import free_port, stop_process_group
 from ..chat_template import chat_template_path
 from .json_codec import loads
-from ...core.engine import Engine, EngineRequestError, EngineSpec, EngineUnavailableError
 
 STARTUP_TIMEOUT_S = float(os.environ.get("TRACERL_VLLM_STARTUP_TIMEOUT", "600"))
 
@@ -111,12 +111,6 @@ async def _sse_events(stream: aiohttp.StreamReader) -> AsyncIterator[Any]:
         yield loads(data)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class VLLMEngine(Engine):
     name = "vllm"
 
@@ -175,7 +169,7 @@ class VLLMEngine(Engine):
         if self.sleeps and not _cuda_visible():
             raise EngineError("sleep_during_training needs vLLM on CUDA; vLLM's sleep mode does "
                               "not exist on CPU")
-        self.port = _free_port()
+        self.port = free_port()
         env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
                "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1",
                "VLLM_CONFIGURE_LOGGING": "1"}
@@ -212,15 +206,8 @@ class VLLMEngine(Engine):
             await self.client.close()
             self.client = None
         proc, self.process = self.process, None
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, 15)
-            try:
-                await asyncio.to_thread(proc.wait, 20)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, 9)
-                await asyncio.to_thread(proc.wait)
+        if proc is not None:
+            await asyncio.to_thread(stop_process_group, proc, 20)
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None

@@ -1,0 +1,10 @@
+"""training: one GRPO step on recorded tokens.
+
+In flow order:
+- ``rows.py``: training rows from the gateway's token records (rendered only without them).
+- ``advantages.py``: group-relative advantages.
+- ``loss.py``: the clipped policy loss, token logprobs, KL (tested against TRL).
+- ``trainer.py``: the policy (base + LoRA, peft or Unsloth), micro-batches, the optimizer.
+- ``step.py``: the step top to bottom: save groups -> rows -> advantages -> loss ->
+  optimizer step -> atomic checkpoint -> publish the adapter.
+"""

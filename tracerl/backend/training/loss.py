@@ -1,4 +1,4 @@
-"""The GRPO loss and per-group advantages (pure functions, tested against TRL).
+"""The GRPO loss (pure functions, tested against TRL).
 
 Per token: ``-min(r * A, clip(r, 1 - eps, 1 + eps_high) * A)`` with the importance ratio
 ``r = exp(logp - old_logp)``, plus ``beta * KL`` (the k3 estimator against the reference).
@@ -6,28 +6,8 @@ Per token: ``-min(r * A, clip(r, 1 - eps, 1 + eps_high) * A)`` with the importan
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
-
-
-@dataclass
-class GroupAdvantages:
-    advantages: list[float]
-    skipped: bool
-
-
-def group_advantages(rewards: list[float], scale: bool, eps: float = 1e-4) -> GroupAdvantages:
-    """Mean-centred (and, if ``scale``, std-scaled) rewards; a zero-variance group is skipped."""
-    n = len(rewards)
-    mean = sum(rewards) / n
-    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / n)
-    if n < 2 or std < 1e-8:
-        return GroupAdvantages([0.0] * n, skipped=True)
-    return GroupAdvantages([(r - mean) / (std + eps) if scale else r - mean for r in rewards],
-                           skipped=False)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:

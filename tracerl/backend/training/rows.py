@@ -39,6 +39,11 @@ class Row:
     def trained_tokens(self) -> int:
         return sum(self.loss_mask)
 
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` tokens (a row longer than a micro-batch)."""
+        for name in ("input_ids", "loss_mask", "old_logprobs", "temperatures"):
+            setattr(self, name, getattr(self, name)[:length])
+
 
 @dataclass
 class RowStats:

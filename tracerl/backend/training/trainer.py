@@ -18,10 +18,9 @@ import numpy as np
 import torch
 
 from ...core.config import LoraConfig, TrainConfig
-from ...core.trajectory import TrajectoryGroup
 from ..chat_template import apply_chat_template_override, render_prompt
-from .loss import group_advantages, grpo_per_token_loss, reduce_loss, token_entropy, token_logprobs
-from .rows import Row, RowStats, has_unknown_logprobs, rows_from_calls, rows_from_messages
+from .loss import grpo_per_token_loss, reduce_loss, token_entropy, token_logprobs
+from .rows import Row, has_unknown_logprobs
 
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
@@ -122,44 +121,18 @@ class Trainer:
         if state_file.exists():
             self.steps_done = json.loads(state_file.read_text()).get("steps_done", 0)
 
-    # --- rows ------------------------------------------------------------------------------
+    # --- rendering (rows of trajectories without token records) ---------------------------
 
-    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        """Prompt token ids of ``messages`` under the served chat template."""
         return render_prompt(self.tokenizer, messages, tools)
 
-    def build_rows(self, groups: list[TrajectoryGroup], config: TrainConfig
-                   ) -> tuple[list[Row], RowStats, int]:
-        stats = RowStats()
-        rows: list[Row] = []
-        skipped_groups = 0
-        tokenize = lambda s: self.tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-        for gi, group in enumerate(groups):
-            if len(group.trajectories) < 2:
-                skipped_groups += 1
-                continue
-            adv = group_advantages([t.reward for t in group.trajectories], config.scale_rewards)
-            if adv.skipped:
-                skipped_groups += 1
-                continue
-            for traj, a in zip(group.trajectories, adv.advantages, strict=True):
-                traj_rows = rows_from_calls(traj.llm_calls, stats) if traj.llm_calls else []
-                if not traj_rows:  # no token records: render the main and additional histories
-                    traj_rows = [row for conversation in (traj, *traj.additional_histories)
-                                 for row in rows_from_messages(conversation, self._render, tokenize,
-                                                               self.tokenizer.eos_token_id)]
-                    stats.rendered_rows += len(traj_rows)
-                if not traj_rows:
-                    stats.empty_trajectories += 1
-                for row in traj_rows:
-                    row.advantage, row.group = a, gi
-                    if len(row) > config.micro_batch_tokens:
-                        for name in ("input_ids", "loss_mask", "old_logprobs", "temperatures"):
-                            setattr(row, name, getattr(row, name)[: config.micro_batch_tokens])
-                        stats.truncated_rows += 1
-                    if row.trained_tokens:
-                        rows.append(row)
-        stats.rows = len(rows)
-        return rows, stats, skipped_groups
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.tokenizer.eos_token_id
 
     # --- the step --------------------------------------------------------------------------
 
@@ -203,9 +176,11 @@ class Trainer:
                              logits_to_keep=int(t["keep"]), use_cache=False)  # no KV cache in training
         return out.logits[:, :-1]
 
-    def train_step(self, groups: list[TrajectoryGroup], config: TrainConfig) -> dict[str, float]:
+    def optimize(self, rows: list[Row], config: TrainConfig) -> dict[str, float]:
+        """The clipped policy loss over length-bucketed micro-batches (gradients accumulate),
+        then one optimizer step per epoch. Returns the step's loss metrics."""
         try:
-            return self._train_step(groups, config)
+            return self._optimize(rows, config)
         finally:
             if self.device.type == "cpu":
                 return_freed_memory()
@@ -215,18 +190,7 @@ class Trainer:
                 # for a 7B it would be tens of GiB and vLLM's wake-up would run out).
                 torch.cuda.empty_cache()
 
-    def _train_step(self, groups: list[TrajectoryGroup], config: TrainConfig) -> dict[str, float]:
-        rows, stats, skipped_groups = self.build_rows(groups, config)
-        metrics: dict[str, float] = {**stats.as_metrics(), "skipped_groups": float(skipped_groups)}
-        if skipped_groups:
-            print(f"[tracerl] {skipped_groups} of {len(groups)} groups skipped: all rewards equal "
-                  "(no learning signal) or a single trajectory", file=sys.stderr)
-        if stats.prefix_mismatches:
-            print(f"[tracerl] {stats.prefix_mismatches} calls did not continue the previous call's "
-                  "tokens exactly and were trained as separate rows", file=sys.stderr)
-        if not rows:
-            metrics.update(skipped=1.0, loss=0.0)
-            return metrics
+    def _optimize(self, rows: list[Row], config: TrainConfig) -> dict[str, float]:
         if config.seed is not None:
             torch.manual_seed(config.seed)
         for g in self.optimizer.param_groups:
@@ -252,7 +216,7 @@ class Trainer:
             self.optimizer.step()
         self.steps_done += 1
         n = float(trained_tokens)
-        metrics.update(
+        metrics = dict(
             loss=sums["loss"], ratio=sums["ratio"] / n, clip_fraction=sums["clip_fraction"] / n,
             kl=sums["kl"] / n, entropy=sums["entropy"] / n, logprob_mismatch=sums["logprob_mismatch"] / n,
             grad_norm=grad_norm, trained_tokens=n, tokens=float(sum(len(r) for r in rows)),

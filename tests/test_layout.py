@@ -1,0 +1,148 @@
+"""The package layout: one package per stage, contracts at the bottom, nothing imports upward.
+
+The import graph is read from the source with ``ast`` (every import statement, including those
+inside functions and ``TYPE_CHECKING`` blocks), so a lazy import cannot hide a dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "tracerl"
+
+# stage -> the stages it may import (besides itself); modules directly in tracerl/ sit on top
+ALLOWED = {
+    "core": set(),
+    "rollout": {"core"},
+    "backend": {"core"},
+    "remote": {"core", "backend"},
+    "integrations": {"core", "rollout"},
+    "ruler": {"core", "rollout"},
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _nodes(tree: ast.AST, runtime_only: bool) -> list[ast.AST]:
+    """Every node, leaving out ``if TYPE_CHECKING:`` blocks when ``runtime_only``."""
+    out, todo = [], [tree]
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        if runtime_only and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+    return out
+
+
+def imported_modules(name: str, path: Path, known: set[str], runtime_only: bool = False
+                     ) -> set[str]:
+    """The tracerl modules ``name`` imports (a name imported from a package counts as its
+    submodule when one exists); ``runtime_only`` leaves out imports for type checkers."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in _nodes(ast.parse(path.read_text()), runtime_only):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "tracerl"}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif node.module and node.module.split(".")[0] == "tracerl":
+                target = node.module
+            else:
+                continue
+            subs = {f"{target}.{a.name}" for a in node.names} & known
+            found |= subs or {target}
+    return {m for m in found if m in known} - {name}
+
+
+def graph(runtime_only: bool = False) -> dict[str, set[str]]:
+    mods = modules()
+    return {name: imported_modules(name, path, set(mods), runtime_only)
+            for name, path in mods.items()}
+
+
+def stage(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in ALLOWED) else None
+
+
+def test_no_stage_imports_upward() -> None:
+    wrong = []
+    for module, targets in graph().items():
+        own = stage(module)
+        if own is None:
+            continue  # the top: CLI, demo, report, public API, ART import paths
+        for target in targets:
+            other = stage(target)
+            if other != own and (other is None or other not in ALLOWED[own]):
+                wrong.append(f"{module} -> {target}")
+    assert wrong == []
+
+
+def test_import_graph_has_no_cycle() -> None:
+    """At run time (imports for type checkers only may point back: they never execute)."""
+    edges = graph(runtime_only=True)
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                cycles.append([*trail[trail.index(nxt):], nxt])
+            elif nxt not in state:
+                visit(nxt, [*trail, nxt])
+        state[node] = 2
+
+    for start in sorted(edges):
+        if start not in state:
+            visit(start, [start])
+    assert cycles == []
+
+
+def test_the_graph_reader_sees_lazy_and_relative_imports(tmp_path: Path) -> None:
+    """The checks above are only as good as the reader: it must see a function-level import."""
+    known = {"tracerl.core.a", "tracerl.core.b", "tracerl.rollout.c"}
+    source = tmp_path / "a.py"
+    source.write_text("from typing import TYPE_CHECKING\nfrom . import b\n\n"
+                      "if TYPE_CHECKING:\n    from .d import D\n\n"
+                      "def f():\n    from ..rollout.c import x\n")
+    known.add("tracerl.core.d")
+    assert imported_modules("tracerl.core.a", source, known) == {
+        "tracerl.core.b", "tracerl.core.d", "tracerl.rollout.c"}
+    assert imported_modules("tracerl.core.a", source, known, runtime_only=True) == {
+        "tracerl.core.b", "tracerl.rollout.c"}
+
+
+@pytest.mark.parametrize("module", ["tracerl", "tracerl.remote.client", "tracerl.rollout.model"])
+def test_client_side_modules_load_no_backend_dependency(module: str) -> None:
+    """A rollout machine or a remote client needs neither torch nor a web framework."""
+    code = (f"import sys, {module}\n"
+            "heavy = sorted({'torch', 'fastapi', 'transformers', 'uvicorn'} & set(sys.modules))\n"
+            "print(','.join(heavy))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
+def test_every_package_names_its_stage_and_files_in_flow_order() -> None:
+    for init in sorted(PACKAGE.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        files = sorted(p.stem for p in init.parent.glob("*.py") if p.name != "__init__.py")
+        missing = [f for f in files if f"{f}.py" not in doc]
+        assert doc and missing == [], f"{init}: docstring lacks {missing}"

@@ -1,0 +1,126 @@
+"""One GRPO training step, top to bottom, in the paper's terms (CleanRL style).
+
+    save the groups -> rows -> advantages -> micro-batched loss -> optimizer step
+    -> atomic checkpoint -> publish the adapter
+
+:func:`train_step` is the whole step as the backend runs it; :func:`grpo_update` is its
+middle, the part that touches the weights (run in a worker thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from ...core.backend import TrainEvent
+from ...core.config import TrainConfig
+from ...core.metrics import summarize_groups
+from ...core.storage import ModelStore, atomic_directory
+from ...core.trajectory import TrajectoryGroup, write_groups_jsonl
+from .advantages import group_advantages
+from .rows import Row, RowStats, rows_from_calls, rows_from_messages
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+
+class Serving(Protocol):
+    """What a step needs from the inference side of its model."""
+
+    async def sleep(self) -> None:
+        """Free the accelerator for the step (engines that can)."""
+
+    async def wake_up(self) -> None:
+        """Serve again after the step."""
+
+    async def publish(self, step: int, adapter: Path) -> None:
+        """Serve ``adapter`` as the model's newest policy once calls in flight have finished."""
+
+
+async def train_step(step: int, groups: list[TrajectoryGroup], config: TrainConfig, *,
+                     store: ModelStore, load_policy: Callable[[], Trainer], serving: Serving,
+                     heartbeat_s: float = 30.0) -> AsyncIterator[TrainEvent]:
+    """Train checkpoint ``step`` on ``groups``; yields started, heartbeats, done."""
+    # 1. save the groups: a step's data is on disk before anything trains on it (a crashed
+    #    step is trained again from this file: backend.pending_groups)
+    write_groups_jsonl(store.trajectories_path("train", step), groups)
+    yield TrainEvent("started", step)
+    started = time.perf_counter()
+    await serving.sleep()
+    try:
+        policy = await asyncio.to_thread(load_policy)
+        # 2-5. rows -> advantages -> micro-batched loss -> optimizer step
+        update = asyncio.ensure_future(asyncio.to_thread(grpo_update, policy, groups, config))
+        while not update.done():
+            await asyncio.wait({update}, timeout=heartbeat_s)
+            if not update.done():
+                yield TrainEvent("heartbeat", step, elapsed_s=time.perf_counter() - started)
+        metrics = update.result()
+    finally:
+        await serving.wake_up()
+    # 6. atomic checkpoint: the folder appears whole, or not at all
+    with atomic_directory(store.checkpoint_dir(step)) as tmp:
+        await asyncio.to_thread(policy.save, tmp)
+    # 7. publish: the next rollouts are served by the new adapter
+    await serving.publish(step, store.checkpoint_dir(step))
+    metrics = {**summarize_groups(groups), **metrics, "seconds": time.perf_counter() - started}
+    store.log_history(step, "train", metrics)
+    yield TrainEvent("done", step, metrics=metrics)
+
+
+def grpo_update(policy: Trainer, groups: list[TrajectoryGroup], config: TrainConfig
+                ) -> dict[str, float]:
+    """Rows with group-relative advantages, then the clipped policy loss over micro-batches
+    and one optimizer step per epoch. Returns the step's metrics."""
+    rows, stats, skipped_groups = rows_with_advantages(policy, groups, config)
+    metrics = {**stats.as_metrics(), "skipped_groups": float(skipped_groups)}
+    if skipped_groups:
+        log.warning("%d of %d groups skipped: all rewards equal (no learning signal) or a "
+                    "single trajectory", skipped_groups, len(groups))
+    if stats.prefix_mismatches:
+        log.warning("%d calls did not continue the previous call's tokens exactly and were "
+                    "trained as separate rows", stats.prefix_mismatches)
+    if not rows:
+        log.warning("step skipped: no trainable rows")
+        return {**metrics, "skipped": 1.0, "loss": 0.0}
+    return {**metrics, **policy.optimize(rows, config)}
+
+
+def rows_with_advantages(policy: Trainer, groups: list[TrajectoryGroup], config: TrainConfig
+                         ) -> tuple[list[Row], RowStats, int]:
+    """Token-exact rows of every trajectory (rendered only where there are no token records),
+    each carrying its trajectory's advantage within its group. Groups whose rewards are all
+    equal carry no signal and are skipped (counted)."""
+    stats, rows, skipped_groups = RowStats(), [], 0
+    for gi, group in enumerate(groups):
+        if len(group.trajectories) < 2:
+            skipped_groups += 1
+            continue
+        adv = group_advantages([t.reward for t in group.trajectories], config.scale_rewards)
+        if adv.skipped:
+            skipped_groups += 1
+            continue
+        for trajectory, advantage in zip(group.trajectories, adv.advantages, strict=True):
+            traj_rows = rows_from_calls(trajectory.llm_calls, stats) if trajectory.llm_calls else []
+            if not traj_rows:  # no token records: render the main and additional histories
+                traj_rows = [row for conversation in (trajectory, *trajectory.additional_histories)
+                             for row in rows_from_messages(conversation, policy.render,
+                                                           policy.tokenize, policy.eos_token_id)]
+                stats.rendered_rows += len(traj_rows)
+            if not traj_rows:
+                stats.empty_trajectories += 1
+            for row in traj_rows:
+                row.advantage, row.group = advantage, gi
+                if len(row) > config.micro_batch_tokens:
+                    row.truncate(config.micro_batch_tokens)
+                    stats.truncated_rows += 1
+                if row.trained_tokens:
+                    rows.append(row)
+    stats.rows = len(rows)
+    return rows, stats, skipped_groups

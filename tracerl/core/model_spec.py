@@ -1,0 +1,78 @@
+"""``ModelSpec``: what a backend needs to know of a model, the same on every side.
+
+The user's :class:`~tracerl.rollout.model.Model` hands its spec to the backend; the local backend
+writes it as ``model.json``; the remote client sends it to ``tracerl serve``, which validates it
+with this class before anything is written. Hooks receive it as their ``model`` argument.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .config import ModelConfig
+from .errors import ConfigError
+from .storage import validate_name
+
+
+class ModelSpec(BaseModel):
+    """A model's identity (``project``/``name``), its base weights and how it is served."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    project: str
+    base_model: str | None = None
+    trainable: bool = True
+    config: ModelConfig = Field(default_factory=ModelConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, value: str) -> str:
+        return validate_name("model", value)
+
+    @field_validator("project")
+    @classmethod
+    def _valid_project(cls, value: str) -> str:
+        return validate_name("project", value)
+
+    @property
+    def key(self) -> str:
+        """``project/name``: a model's identity wherever models are kept side by side."""
+        return f"{self.project}/{self.name}"
+
+    def definition(self) -> dict[str, Any]:
+        """The JSON object written to ``model.json`` and sent to a remote server."""
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def from_definition(cls, definition: Any) -> ModelSpec:
+        """Validate a definition (a client's or ``model.json``); errors name the field."""
+        if not isinstance(definition, dict):
+            raise ConfigError("a model definition must be a JSON object")
+        unknown = sorted(set(definition) - set(cls.model_fields))
+        if unknown:
+            raise ConfigError(f"unknown model definition fields: {unknown}")
+        try:
+            return cls.model_validate(definition)
+        except ValidationError as e:
+            problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}"
+                                 for err in e.errors())
+            raise ConfigError(f"invalid model definition: {problems}") from None
+
+
+class HasModelSpec(Protocol):
+    """What user code passes where a spec is wanted: a ``Model`` (``backend.train(model, ...)``,
+    ``backend.pending_groups(model)``)."""
+
+    @property
+    def spec(self) -> ModelSpec: ...
+
+
+ModelLike = ModelSpec | HasModelSpec
+
+
+def spec_of(model: ModelLike) -> ModelSpec:
+    """The spec of a user's model handle, or the spec itself."""
+    return model if isinstance(model, ModelSpec) else model.spec
