@@ -58,12 +58,14 @@ async def main() -> None:
     raw = openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0)
     ours = model.openai_client()
     lc_ours = init_chat_model(model, max_tokens=4, temperature=0)
-    lc_plain = ChatOpenAI(model=model.name, base_url=base, api_key=key, max_tokens=4, temperature=0, max_retries=0)
+    lc_plain = ChatOpenAI(model=model.name, base_url=base, api_key=key, max_tokens=4,
+                          temperature=0, max_retries=0)
     settings = ModelSettings(max_tokens=4, temperature=0)
     agent = Agent(name="a", instructions="Be brief.", model_settings=settings)
     provider = TracerlModelProvider(model)
     plain_model = OpenAIChatCompletionsModel(model=model.name, openai_client=raw)
-    plain_agent = Agent(name="a", instructions="Be brief.", model_settings=settings, model=plain_model)
+    plain_agent = Agent(name="a", instructions="Be brief.", model_settings=settings,
+                        model=plain_model)
     litellm.callbacks = [TracerlLiteLLMLogger()]
 
     async def in_rollout(coro_fn):
@@ -73,19 +75,23 @@ async def main() -> None:
     async def litellm_plain():
         saved, litellm.callbacks = litellm.callbacks, []
         try:
-            return await litellm.acompletion(model=f"hosted_vllm/{model.name}", api_base=base, api_key=key,
-                                             messages=MSG, max_tokens=4, temperature=0, num_retries=0)
+            return await litellm.acompletion(model=f"hosted_vllm/{model.name}", api_base=base,
+                                             api_key=key, messages=MSG, max_tokens=4,
+                                             temperature=0, num_retries=0)
         finally:
             litellm.callbacks = saved
 
     peers = {
-        "raw": lambda: raw.chat.completions.create(model=model.name, messages=MSG, max_tokens=4, temperature=0),
+        "raw": lambda: raw.chat.completions.create(
+            model=model.name, messages=MSG, max_tokens=4, temperature=0),
         "tracerl": lambda: in_rollout(lambda: ours.chat.completions.create(
             model=model.name, messages=MSG, max_tokens=4, temperature=0)),
         "langchain-plain": lambda: lc_plain.ainvoke(MSG),
         "langchain": lambda: in_rollout(lambda: lc_ours.ainvoke(MSG)),
-        "agents-plain": lambda: Runner.run(plain_agent, "Say hi", run_config=RunConfig(tracing_disabled=True)),
-        "agents": lambda: in_rollout(lambda: Runner.run(agent, "Say hi", run_config=RunConfig(model_provider=provider))),
+        "agents-plain": lambda: Runner.run(
+            plain_agent, "Say hi", run_config=RunConfig(tracing_disabled=True)),
+        "agents": lambda: in_rollout(lambda: Runner.run(
+            agent, "Say hi", run_config=RunConfig(model_provider=provider))),
         "litellm-plain": litellm_plain,
         "litellm": lambda: in_rollout(lambda: litellm.acompletion(
             messages=MSG, max_tokens=4, temperature=0, **completion_kwargs(model))),

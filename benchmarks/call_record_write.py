@@ -27,9 +27,11 @@ def response(tokens: int) -> dict:
             "choices": [{"index": 0, "finish_reason": "length", "token_ids": list(range(tokens)),
                          "message": {"role": "assistant", "content": "word " * tokens},
                          "logprobs": {"content": [{"token": "word", "logprob": -1.5,
-                                                   "bytes": [119, 111, 114, 100], "top_logprobs": []}
+                                                   "bytes": [119, 111, 114, 100],
+                                                   "top_logprobs": []}
                                                   for _ in range(tokens)]}}],
-            "usage": {"prompt_tokens": 40, "completion_tokens": tokens, "total_tokens": 40 + tokens}}
+            "usage": {"prompt_tokens": 40, "completion_tokens": tokens,
+                      "total_tokens": 40 + tokens}}
 
 
 def plain_append(folder: Path, call) -> None:
@@ -51,9 +53,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": args.tokens}
-    calls = [build_call(endpoint="chat.completions", caller_body=body, response=response(args.tokens),
-                        rollout_id=f"ro-{i}", model="m", adapter_step=0, latency_s=0.1, streamed=False)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": args.tokens}
+    calls = [build_call(endpoint="chat.completions", caller_body=body,
+                        response=response(args.tokens), rollout_id=f"ro-{i}", model="m",
+                        adapter_step=0, latency_s=0.1, streamed=False)
              for i in range(args.calls)]
     ours, peer = [], []
     for r in range(args.repeats):

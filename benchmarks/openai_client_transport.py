@@ -60,7 +60,8 @@ async def measure(concurrencies: list[int], max_tokens: int, waves: int) -> list
                     next_id += concurrency
             row = {"concurrency": concurrency, "max_tokens": max_tokens, "waves": waves,
                    **{f"{k}_rollouts_per_s": statistics.median(v) for k, v in rates.items()},
-                   **{f"ratio_{k}_over_httpx2": statistics.median(rates[k]) / statistics.median(rates["httpx2"])
+                   **{f"ratio_{k}_over_httpx2":
+                      statistics.median(rates[k]) / statistics.median(rates["httpx2"])
                       for k in ("aiohttp", "model_openai_client")}}
             results.append(row)
             print(json.dumps(row), flush=True)

@@ -77,22 +77,27 @@ def main() -> None:
     adv = torch.randn(B, generator=g)
     old = -torch.rand(B, C, generator=g) * 3
 
-    cfg = TrainConfig(learning_rate=1e-5, loss_normalization="token", micro_batch_tokens=B * (P + C))
-    rows = [Row(input_ids=prompt[b].tolist() + completion[b].tolist(), loss_mask=[False] * P + [True] * C,
+    cfg = TrainConfig(learning_rate=1e-5, loss_normalization="token",
+                      micro_batch_tokens=B * (P + C))
+    rows = [Row(input_ids=prompt[b].tolist() + completion[b].tolist(),
+                loss_mask=[False] * P + [True] * C,
                 old_logprobs=[math.nan] * P + old[b].tolist(), temperatures=[1.0] * (P + C),
                 advantage=float(adv[b])) for b in range(B)]
     batches = micro_batches(rows, cfg.micro_batch_tokens)
 
-    targs = trl.GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=B, num_generations=B,
-                           loss_type="bnpo", beta=0.0, report_to=[], bf16=device.type == "cuda",
-                           use_cpu=device.type == "cpu", max_completion_length=C)
-    tt = trl.GRPOTrainer(model=model, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+    targs = trl.GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=B,
+                           num_generations=B, loss_type="bnpo", beta=0.0, report_to=[],
+                           bf16=device.type == "cuda", use_cpu=device.type == "cpu",
+                           max_completion_length=C)
+    tt = trl.GRPOTrainer(model=model,
+                         reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
                          args=targs, train_dataset=Dataset.from_list([{"prompt": "x"}] * B),
                          processing_class=ours.tokenizer)
     tt.current_gradient_accumulation_steps = 1
     inputs = {k: v.to(device) for k, v in {
         "prompt_ids": prompt, "prompt_mask": torch.ones_like(prompt), "completion_ids": completion,
-        "completion_mask": torch.ones_like(completion), "advantages": adv, "old_per_token_logps": old}.items()}
+        "completion_mask": torch.ones_like(completion), "advantages": adv,
+        "old_per_token_logps": old}.items()}
     opt = ours.optimizer
     model.train()
 
@@ -121,7 +126,8 @@ def main() -> None:
     trl_error = None
     try:
         step_trl()
-    except Exception as e:  # Unsloth replaces TRL's GRPOTrainer with its own, which wants more inputs
+    except Exception as e:
+        # Unsloth replaces TRL's GRPOTrainer with its own, which wants more inputs
         trl_error = f"{type(e).__name__}: {e}"
         print(f"TRL's loss step failed ({trl_error}); timing tracerl alone", flush=True)
     if args.profile:
@@ -151,7 +157,8 @@ def main() -> None:
     }
     if trl_error is None:
         result["trl_tokens_per_s"] = tokens / statistics.median(t_trl)
-        result["ratio_tracerl_over_trl"] = result["tracerl_tokens_per_s"] / result["trl_tokens_per_s"]
+        result["ratio_tracerl_over_trl"] = (
+            result["tracerl_tokens_per_s"] / result["trl_tokens_per_s"])
         result["ratio_without_tensor_build"] = statistics.median(t_trl) / (
             statistics.median(t_ours) - statistics.median(t_build))
     else:

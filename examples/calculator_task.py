@@ -14,12 +14,14 @@ SYSTEM = "You are a calculator. Always use the add tool, then answer with the re
 
 ADD_TOOL = {"type": "function", "function": {
     "name": "add", "description": "Add two integers",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "parameters": {"type": "object",
+                   "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
                    "required": ["a", "b"]}}}
 
 
 def _call(i: int, a: int, b: int) -> dict[str, Any]:
-    return {"id": f"ex{i}", "type": "function", "function": {"name": "add", "arguments": json.dumps({"a": a, "b": b})}}
+    return {"id": f"ex{i}", "type": "function",
+            "function": {"name": "add", "arguments": json.dumps({"a": a, "b": b})}}
 
 
 def _single(i: int, a: int, b: int) -> list[dict[str, Any]]:
@@ -31,7 +33,8 @@ def _single(i: int, a: int, b: int) -> list[dict[str, Any]]:
 
 def _double(i: int, a: int, b: int, c: int, d: int) -> list[dict[str, Any]]:
     return [{"role": "user", "content": f"What is {a} plus {b} and {c} plus {d}?"},
-            {"role": "assistant", "content": "", "tool_calls": [_call(i, a, b), _call(i + 1, c, d)]},
+            {"role": "assistant", "content": "",
+             "tool_calls": [_call(i, a, b), _call(i + 1, c, d)]},
             {"role": "tool", "tool_call_id": f"ex{i}", "content": str(a + b)},
             {"role": "tool", "tool_call_id": f"ex{i + 1}", "content": str(c + d)},
             {"role": "assistant", "content": f"The answers are {a + b} and {c + d}."}]
@@ -57,7 +60,8 @@ def as_response_items(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             items += [{"type": "function_call", "call_id": c["id"], "name": c["function"]["name"],
                        "arguments": c["function"]["arguments"]} for c in m["tool_calls"]]
         elif m["role"] == "tool":
-            items.append({"type": "function_call_output", "call_id": m["tool_call_id"], "output": m["content"]})
+            items.append({"type": "function_call_output", "call_id": m["tool_call_id"],
+                          "output": m["content"]})
         else:
             items.append({"role": m["role"], "content": m["content"]})
     return items
@@ -67,10 +71,12 @@ def handoff_examples(target: str) -> list[dict[str, Any]]:
     """Examples where a triage agent hands off to ``target``, which then uses the add tool."""
     out: list[dict[str, Any]] = []
     for i, (a, b) in enumerate([(2, 5), (6, 1), (11, 4)]):
-        h = {"id": f"h{i}", "type": "function", "function": {"name": f"transfer_to_{target}", "arguments": "{}"}}
+        h = {"id": f"h{i}", "type": "function",
+             "function": {"name": f"transfer_to_{target}", "arguments": "{}"}}
         out += [{"role": "user", "content": f"What is {a} plus {b}?"},
                 {"role": "assistant", "content": "", "tool_calls": [h]},
-                {"role": "tool", "tool_call_id": f"h{i}", "content": json.dumps({"assistant": target})},
+                {"role": "tool", "tool_call_id": f"h{i}",
+                 "content": json.dumps({"assistant": target})},
                 {"role": "assistant", "content": "", "tool_calls": [_call(10 + i, a, b)]},
                 {"role": "tool", "tool_call_id": f"ex{10 + i}", "content": str(a + b)},
                 {"role": "assistant", "content": f"The answer is {a + b}."}]
@@ -99,5 +105,7 @@ def tool_model(name: str, project: str = "examples") -> Any:
     """A TrainableModel on SmolLM2 served with the tool-calling chat template."""
     import tracerl
 
-    return tracerl.TrainableModel(name=name, project=project, base_model="smollm2", config=tracerl.ModelConfig(
-        engine=tracerl.EngineConfig(max_model_len=2048, chat_template="chatml-tools", tool_call_parser="hermes")))
+    return tracerl.TrainableModel(
+        name=name, project=project, base_model="smollm2",
+        config=tracerl.ModelConfig(engine=tracerl.EngineConfig(
+            max_model_len=2048, chat_template="chatml-tools", tool_call_parser="hermes")))

@@ -19,7 +19,8 @@ def parse_args(doc: str | None) -> argparse.Namespace:
     return ap.parse_args()
 
 
-async def train_loop(model: tracerl.TrainableModel, rollout: Callable[[int, int], Awaitable[tracerl.Trajectory]],
+async def train_loop(model: tracerl.TrainableModel,
+                     rollout: Callable[[int, int], Awaitable[tracerl.Trajectory]],
                      args: argparse.Namespace, learning_rate: float = 5e-5) -> None:
     for step in range(await model.get_step(), args.steps):
         groups = await tracerl.gather_trajectory_groups(
@@ -29,4 +30,5 @@ async def train_loop(model: tracerl.TrainableModel, rollout: Callable[[int, int]
         metrics = await model.train(groups, config=tracerl.TrainConfig(learning_rate=learning_rate))
         rewards = [t.reward for g in groups for t in g.trajectories]
         print(f"step {step + 1}: reward {sum(rewards) / max(len(rewards), 1):.3f} "
-              f"loss {metrics.get('loss', 0.0):.4f} trained tokens {metrics.get('trained_tokens', 0):.0f}")
+              f"loss {metrics.get('loss', 0.0):.4f} "
+              f"trained tokens {metrics.get('trained_tokens', 0):.0f}")

@@ -36,8 +36,11 @@ async def main() -> None:
     model = tool_model("langgraph-calc")
     await model.register(backend)
     graph = build_agent(init_chat_model(model, temperature=1.0, max_tokens=60))
-    rollout = graph_rollout(graph, lambda inp, state: answer_reward(state["messages"][-1].content, inp["want"]))
-    await train_loop(model, lambda a, b: rollout({"messages": [*examples(), question(a, b)], "want": a + b}), args)
+    rollout = graph_rollout(
+        graph, lambda inp, state: answer_reward(state["messages"][-1].content, inp["want"]))
+    await train_loop(
+        model, lambda a, b: rollout({"messages": [*examples(), question(a, b)], "want": a + b}),
+        args)
     await backend.close()
 
 

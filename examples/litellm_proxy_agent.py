@@ -4,7 +4,8 @@ any language would) and tags requests with the rollout's headers (CPU, a few ste
 Needs a venv with LiteLLM's proxy (`make setup-litellm`); pass its python with
 TRACERL_LITELLM_PYTHON=.venv-litellm/bin/python.
 
-    TRACERL_LITELLM_PYTHON=.venv-litellm/bin/python .venv/bin/python examples/litellm_proxy_agent.py --steps 2
+    TRACERL_LITELLM_PYTHON=.venv-litellm/bin/python \
+        .venv/bin/python examples/litellm_proxy_agent.py --steps 2
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ async def http_agent(base_url: str, key: str, headers: dict[str, str], a: int, b
                 "model": "proxy-calc", "messages": messages, "tools": [ADD_TOOL], "max_tokens": 60})
             r.raise_for_status()
             message = r.json()["choices"][0]["message"]
-            messages.append({k: v for k, v in message.items() if k in ("role", "content", "tool_calls")})
+            messages.append({k: v for k, v in message.items()
+                             if k in ("role", "content", "tool_calls")})
             if not message.get("tool_calls"):
                 return message.get("content") or ""
             for tc in message["tool_calls"]:
@@ -49,7 +51,8 @@ async def main() -> None:
     with LiteLLMProxy(upstream_base_url=backend.base_url, model_names=[model.name],
                       directory=Path(args.path) / "proxy") as proxy:
         async def rollout(a: int, b: int) -> tracerl.Trajectory:
-            text = await http_agent(proxy.base_url, proxy.master_key, tracerl.rollout_headers(model), a, b)
+            text = await http_agent(proxy.base_url, proxy.master_key,
+                                    tracerl.rollout_headers(model), a, b)
             return tracerl.Trajectory(reward=answer_reward(text, a + b))
 
         await train_loop(model, rollout, args)

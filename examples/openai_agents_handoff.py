@@ -46,8 +46,9 @@ async def main() -> None:
 
     async def rollout(a: int, b: int) -> tracerl.Trajectory:
         try:
-            result = await Runner.run(triage, as_response_items([*handoff_examples("math_agent"), question(a, b)]),
-                                      run_config=run_config, max_turns=6)
+            result = await Runner.run(
+                triage, as_response_items([*handoff_examples("math_agent"), question(a, b)]),
+                run_config=run_config, max_turns=6)
         except (ModelBehaviorError, MaxTurnsExceeded) as e:
             # the model called a tool that does not exist or looped: a bad rollout to learn
             # from (its calls are recorded), not an infrastructure failure

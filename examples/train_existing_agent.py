@@ -61,7 +61,8 @@ async def main() -> None:
             metrics = await model.train(groups, config=art.TrainConfig(learning_rate=5e-4))
             rewards = [t.reward for g in groups for t in g]
             print(f"step {batch.step + 1}: reward {sum(rewards) / max(len(rewards), 1):.3f} "
-                  f"loss {metrics.get('loss', 0.0):.4f} trained tokens {metrics.get('trained_tokens', 0):.0f}")
+                  f"loss {metrics.get('loss', 0.0):.4f} "
+                  f"trained tokens {metrics.get('trained_tokens', 0):.0f}")
             await model.delete_checkpoints()  # the newest and the best by val/reward stay
     finally:
         await backend.close()

@@ -11,7 +11,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 for backend in unsloth peft; do
   rm -rf "/tmp/demo-$backend"
   TRACERL_DISABLE_UNSLOTH=$([ "$backend" = peft ] && echo 1 || echo 0) timeout 280 \
-    python3 -m tracerl.core.cli demo --steps 12 --base-path "/tmp/demo-$backend" > "$OUT/demo-$backend.log" 2>&1 || true
+    python3 -m tracerl demo --steps 12 --base-path "/tmp/demo-$backend" > "$OUT/demo-$backend.log" 2>&1 || true
   tail -8 "$OUT/demo-$backend.log"
   cp /tmp/demo-"$backend"/*/models/*/history.jsonl "$OUT/history-$backend.jsonl" || true
 done

@@ -21,8 +21,9 @@ ROOTS = ["vllm.entrypoints.openai.api_server", "vllm.v1.engine.core", "vllm.v1.w
          "vllm.model_executor.models.qwen2", "vllm.v1.attention.backends.flash_attn",
          "vllm.v1.sample.sampler", "vllm.lora.worker_manager",
          "vllm.v1.executor.uniproc_executor", "vllm.entrypoints.openai.chat_completion.serving"]
-EXTENSIONS = ["vllm._C_stable_libtorch", "vllm._C", "vllm._qutlass_C", "vllm._moe_C_stable_libtorch",
-              "vllm.vllm_flash_attn._vllm_fa3_C", "vllm._flashmla_C", "vllm._flashmla_extension_C"]
+EXTENSIONS = ["vllm._C_stable_libtorch", "vllm._C", "vllm._qutlass_C",
+              "vllm._moe_C_stable_libtorch", "vllm.vllm_flash_attn._vllm_fa3_C", "vllm._flashmla_C",
+              "vllm._flashmla_extension_C"]
 OP_NAMESPACES = {"_C", "_moe_C", "_qutlass_C", "_C_cache_ops", "_C_cuda_utils", "_C_custom_ar",
                  "_vllm_fa2_C", "_vllm_fa3_C", "_flashmla_C"}
 

@@ -36,97 +36,71 @@ from typing import Any, ClassVar
 
 
 class TracerlError(Exception):
-    """Base class of all tracerl errors."""
+    """Base class of all tracerl errors. ``code`` and ``status`` are given as class keywords:
+    ``class QueueFullError(TrainingError, code="queue_full", status=429)``."""
 
     code: ClassVar[str] = "server_error"
     status: ClassVar[int] = 500
 
+    def __init_subclass__(cls, code: str | None = None, status: int | None = None,
+                          **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if code is not None:
+            cls.code = code
+        if status is not None:
+            cls.status = status
 
-class InvalidTrajectoryError(TracerlError, ValueError):
+
+class InvalidTrajectoryError(TracerlError, ValueError, code="invalid_trajectory", status=400):
     """A trajectory, group or message failed validation."""
 
-    code = "invalid_trajectory"
-    status = 400
 
-
-class ConfigError(TracerlError, ValueError):
+class ConfigError(TracerlError, ValueError, code="invalid_config", status=400):
     """A configuration value is invalid."""
 
-    code = "invalid_config"
-    status = 400
 
-
-class RequestError(TracerlError, ValueError):
+class RequestError(TracerlError, ValueError, code="invalid_request", status=400):
     """An HTTP request is malformed (not JSON, not an object, a bad header...)."""
 
-    code = "invalid_request"
-    status = 400
 
-
-class BadBodyEncodingError(RequestError):
+class BadBodyEncodingError(RequestError, code="bad_encoding"):
     """The body's Content-Encoding is unknown or its data is corrupt."""
 
-    code = "bad_encoding"
 
-
-class BodyTooLargeError(RequestError):
+class BodyTooLargeError(RequestError, code="body_too_large", status=413):
     """The body is larger than the endpoint accepts."""
 
-    code = "body_too_large"
-    status = 413
 
-
-class AuthenticationError(TracerlError, PermissionError):
+class AuthenticationError(TracerlError, PermissionError, code="invalid_api_key", status=401):
     """A server refused the API key (or none was sent)."""
 
-    code = "invalid_api_key"
-    status = 401
 
-
-class NotRegisteredError(TracerlError, RuntimeError):
+class NotRegisteredError(TracerlError, RuntimeError, code="model_not_registered", status=404):
     """The model was used before ``await model.register(backend)``."""
 
-    code = "model_not_registered"
-    status = 404
 
-
-class PluginError(TracerlError, RuntimeError):
+class PluginError(TracerlError, RuntimeError, code="plugin_error"):
     """A plugin could not be loaded or is incompatible with this tracerl."""
 
-    code = "plugin_error"
 
-
-class RolloutTimeoutError(TracerlError, TimeoutError):
+class RolloutTimeoutError(TracerlError, TimeoutError, code="rollout_timeout", status=504):
     """A rollout ran past its timeout."""
 
-    code = "rollout_timeout"
-    status = 504
 
-
-class TooManyExceptionsError(TracerlError, RuntimeError):
+class TooManyExceptionsError(TracerlError, RuntimeError, code="too_many_exceptions"):
     """More rollouts failed than ``max_exceptions`` allows."""
 
-    code = "too_many_exceptions"
 
-
-class EngineError(TracerlError, RuntimeError):
+class EngineError(TracerlError, RuntimeError, code="engine_error", status=503):
     """The inference engine failed or is unavailable."""
 
-    code = "engine_error"
-    status = 503
 
-
-class EngineUnavailableError(EngineError):
+class EngineUnavailableError(EngineError, code="engine_unavailable"):
     """The engine is down or restarting."""
 
-    code = "engine_unavailable"
 
-
-class EngineTimeoutError(EngineError, TimeoutError):
+class EngineTimeoutError(EngineError, TimeoutError, code="engine_timeout", status=504):
     """The engine did not answer within its deadline."""
-
-    code = "engine_timeout"
-    status = 504
 
 
 class EngineRequestError(EngineError):
@@ -141,31 +115,20 @@ class EngineRequestError(EngineError):
         self.code = code or "invalid_request"  # type: ignore[misc]
 
 
-class TrainingError(TracerlError, RuntimeError):
+class TrainingError(TracerlError, RuntimeError, code="training_failed"):
     """A training step could not run."""
 
-    code = "training_failed"
 
-
-class TrainConflictError(TrainingError):
+class TrainConflictError(TrainingError, code="training_conflict", status=409):
     """Another training request of the same model is queued or running."""
 
-    code = "training_conflict"
-    status = 409
 
-
-class QueueFullError(TrainingError):
+class QueueFullError(TrainingError, code="queue_full", status=429):
     """Too many training requests are waiting."""
 
-    code = "queue_full"
-    status = 429
 
-
-class BackendUnavailableError(TracerlError, ConnectionError):
+class BackendUnavailableError(TracerlError, ConnectionError, code="backend_unavailable", status=503):
     """A remote backend could not be reached, or kept failing, until the retry budget ran out."""
-
-    code = "backend_unavailable"
-    status = 503
 
 
 class RemoteError(TracerlError, RuntimeError):
@@ -177,11 +140,8 @@ class RemoteError(TracerlError, RuntimeError):
         self.code = code or "server_error"  # type: ignore[misc]
 
 
-class RulerError(TracerlError, RuntimeError):
+class RulerError(TracerlError, RuntimeError, code="ruler_failed", status=502):
     """The RULER judge could not produce valid scores."""
-
-    code = "ruler_failed"
-    status = 502
 
 
 def _subclasses(cls: type[TracerlError]) -> list[type[TracerlError]]:

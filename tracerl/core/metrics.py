@@ -39,7 +39,7 @@ def summarize_groups(groups: Iterable[TrajectoryGroup]) -> dict[str, float]:
             for k, v in t.metrics.items():
                 per_metric[k].append(v)
             calls += len(t.llm_calls)
-            completion_tokens += sum(len(c.token_ids) for call in t.llm_calls for c in call.completions)
+            completion_tokens += t.completion_tokens
     out = {
         "reward": _mean(rewards),
         "reward_std": _std(rewards),

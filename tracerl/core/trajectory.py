@@ -91,6 +91,11 @@ class LLMCall(_Validated):
     error: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
 
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens sampled in this call, over all its completions."""
+        return sum(len(c.token_ids) for c in self.completions)
+
 
 def _to_message_or_choice(item: Any, position: int) -> dict[str, Any] | Choice:
     """Validate one entry of ``messages_and_choices``; dicts that look like a Choice become one."""
@@ -194,6 +199,11 @@ class Trajectory(Conversation):
     def log(self, message: str) -> None:
         """Append a free-text line to the trajectory's logs."""
         self.logs.append(message)
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens sampled in the rollout's recorded calls."""
+        return sum(call.completion_tokens for call in self.llm_calls)
 
 
 

@@ -179,7 +179,7 @@ def init_chat_model(model: Any = None, **kwargs: Any) -> Any:
                             "wrap_rollout(model, fn), which supplies it")
         model = wrapped
 
-    base_url, api_key = model._endpoint()
+    base_url, api_key = model.endpoint()
     kwargs.setdefault("max_retries", 0)  # a retry would record the call twice
     return ChatOpenAI(model=model.get_inference_name(), base_url=base_url, api_key=api_key,
                       http_client=sync_http_client(model), http_async_client=async_http_client(model),

@@ -21,7 +21,7 @@ from typing import Any
 
 from litellm.integrations.custom_logger import CustomLogger
 
-from ..core.context import ROLLOUT_HEADER, TAGS_HEADER, current_call_tags, current_rollout
+from ..core.context import TAGS_HEADER, current_call_tags
 from .span_recorder import SpanRecorder
 
 SPAN_KEY = "tracerl_span_id"
@@ -35,20 +35,16 @@ def _span_id(kwargs: dict[str, Any]) -> str:
 def completion_kwargs(model: Any, /, **extra: Any) -> dict[str, Any]:
     """Keyword arguments for ``litellm.(a)completion`` that reach ``model``'s gateway and
     attribute the call to the current rollout."""
-    base_url, api_key = model._endpoint()
-    headers = dict(extra.pop("extra_headers", None) or {})
-    ctx = current_rollout()
-    if ctx is not None:
-        ctx.touch(model)
-        headers[ROLLOUT_HEADER] = ctx.rollout_id
+    params = model.litellm_completion_params()  # gateway, key, rollout headers, no retries
+    params.pop("temperature")  # ART's params sample at 1; here sampling is the caller's choice
+    headers = {**params.pop("extra_headers", {}), **(extra.pop("extra_headers", None) or {})}
     # the span id travels both to the gateway (call tag) and to the logger (metadata), so the
     # record and the span pair up exactly
     span_id = "litellm-" + uuid.uuid4().hex
-    headers[TAGS_HEADER] = json.dumps({**current_call_tags(), "span_id": span_id}, separators=(",", ":"))
+    headers[TAGS_HEADER] = json.dumps({**current_call_tags(), "span_id": span_id},
+                                      separators=(",", ":"))
     metadata = {**(extra.pop("metadata", None) or {}), SPAN_KEY: span_id}
-    # num_retries=0: a retry would record the call twice
-    return {"model": f"hosted_vllm/{model.get_inference_name()}", "api_base": base_url, "api_key": api_key,
-            "extra_headers": headers, "metadata": metadata, "num_retries": 0, **extra}
+    return {**params, "extra_headers": headers, "metadata": metadata, **extra}
 
 
 class TracerlLiteLLMLogger(CustomLogger):

@@ -38,6 +38,7 @@ from ..core.errors import (
     exception_for,
 )
 from ..core.hookspecs import hookimpl
+from ..core.loops import PerLoop
 from ..core.model_spec import ModelLike, spec_of
 from ..core.net import is_loopback
 from ..core.trajectory import LLMCall, TrajectoryGroup, parse_group_lines
@@ -90,7 +91,8 @@ class RemoteBackend(Backend):
         self.timeout = httpx2.Timeout(timeout_s, connect=connect_timeout_s)
         self.retry_for_s = retry_for_s
         self.compress_uploads = compress_uploads
-        self._clients: dict[int, httpx2.AsyncClient] = {}
+        self._clients: PerLoop[httpx2.AsyncClient] = PerLoop(
+            usable=lambda client: not client.is_closed)
         self._models: dict[str, Any] = {}
 
     def __repr__(self) -> str:
@@ -99,13 +101,12 @@ class RemoteBackend(Backend):
     # --- transport -------------------------------------------------------------------------
 
     def _client(self) -> httpx2.AsyncClient:
-        loop = asyncio.get_running_loop()
-        client = self._clients.get(id(loop))
-        if client is None:
+        def make(loop: asyncio.AbstractEventLoop) -> httpx2.AsyncClient:
             headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-            client = httpx2.AsyncClient(base_url=self.base_url, headers=headers, timeout=self.timeout)
-            self._clients[id(loop)] = client
-        return client
+            return httpx2.AsyncClient(base_url=self.base_url, headers=headers,
+                                      timeout=self.timeout)
+
+        return self._clients.get(make)
 
     async def _with_retries(self, what: str, attempt: Callable[[], Awaitable[T]]) -> T:
         """Run ``attempt`` until it succeeds, fails for good, or ``retry_for_s`` has passed."""
@@ -247,8 +248,7 @@ class RemoteBackend(Backend):
         return response.json()["deleted"]
 
     async def close(self) -> None:
-        clients, self._clients = list(self._clients.values()), {}
-        for client in clients:
+        for client in self._clients.pop_all():
             try:
                 await client.aclose()
             except RuntimeError:  # its loop is gone

@@ -79,8 +79,7 @@ class GatherContext:
             self.rewarded += 1
             self.metric_sums.update(trajectory.metrics)
             self.metric_counts.update(trajectory.metrics.keys())
-            self.completion_tokens += sum(len(c.token_ids) for call in trajectory.llm_calls
-                                          for c in call.completions)
+            self.completion_tokens += trajectory.completion_tokens
         if exc is not None:
             self.exceptions.append(exc)
         if self._bar is not None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +14,7 @@ from ..core.config import ModelConfig, TrainConfig
 from ..core.context import current_rollout
 from ..core.errors import ConfigError, InvalidTrajectoryError, NotRegisteredError
 from ..core.lifecycle import step_logged, train_event
+from ..core.loops import PerLoop
 from ..core.metrics import summarize_groups
 from ..core.model_spec import ModelSpec
 from ..core.storage import validate_name
@@ -63,7 +63,10 @@ class Model:
         self.inference_api_key = inference_api_key
         self.inference_model_name = inference_model_name
         self._backend: Backend | None = None
-        self._clients: dict[Any, Any] = {}
+        self._clients: dict[Any, Any] = {}  # sync clients, and async ones made outside a loop
+        # (client, its closer: kept referenced, the loop holds it weakly) per event loop
+        self._loop_clients: PerLoop[tuple[openai.AsyncOpenAI, Any]] = PerLoop(
+            usable=lambda entry: not entry[0].is_closed())
 
     @property
     def spec(self) -> ModelSpec:
@@ -84,6 +87,7 @@ class Model:
         self.inference_api_key = endpoint.api_key
         self.inference_model_name = endpoint.model_name
         self._clients.clear()
+        self._loop_clients.pop_all()
 
     @property
     def backend(self) -> Backend:
@@ -91,7 +95,8 @@ class Model:
             raise NotRegisteredError(f"{self!r} is not registered; call `await model.register(backend)` first")
         return self._backend
 
-    def _endpoint(self) -> tuple[str, str]:
+    def endpoint(self) -> tuple[str, str]:
+        """``(base_url, api_key)`` of the model's OpenAI-compatible endpoint."""
         if not self.inference_base_url:
             raise NotRegisteredError(
                 f"{self!r} has no inference endpoint; call `await model.register(backend)` first"
@@ -107,7 +112,7 @@ class Model:
         """ART's keyword arguments for ``litellm.(a)completion``. Read them inside the rollout:
         they carry its id, so the gateway records the call under it. (With
         ``TracerlLiteLLMLogger``, ``tracerl.integrations.litellm.completion_kwargs`` adds spans.)"""
-        base_url, api_key = self._endpoint()
+        base_url, api_key = self.endpoint()
         name = self.get_inference_name(step)
         params: dict[str, Any] = {
             # served by a tracerl gateway (vLLM's API); an external model keeps its own prefix
@@ -124,22 +129,22 @@ class Model:
         """An AsyncOpenAI client for this model's endpoint, attributing calls to the current
         rollout. One client per event loop (clients cannot outlive their loop); made inside a
         loop, it uses aiohttp where installed and is closed when the loop shuts down."""
-        base_url, api_key = self._endpoint()
-        loop = asyncio.get_running_loop() if _has_loop() else None
-        key = ("async", id(loop), tuple(sorted(kwargs.items())))
-        cached = self._clients.get(key)
-        # a loop id can be reused by a later loop once the first is gone: check it is this one
-        if cached is None or cached[2]() is not loop or cached[0].is_closed():
-            if loop is None:
-                client, closer = _client.async_client(self, base_url, api_key, **kwargs), None
-            else:
-                client, closer = _client.loop_client(self, base_url, api_key, loop, **kwargs)
-            cached = self._clients[key] = (client, closer, weakref.ref(loop) if loop else lambda: None)
-        return cached[0]
+        base_url, api_key = self.endpoint()
+        if not _has_loop():  # made outside any loop: an httpx client, usable in any one
+            key = ("async", tuple(sorted(kwargs.items())))
+            if key not in self._clients:
+                self._clients[key] = _client.async_client(self, base_url, api_key, **kwargs)
+            return self._clients[key]
+
+        def make(loop: asyncio.AbstractEventLoop) -> tuple[openai.AsyncOpenAI, Any]:
+            return _client.loop_client(self, base_url, api_key, loop, **kwargs)
+
+        client, _closer = self._loop_clients.get(make, key=tuple(sorted(kwargs.items())))
+        return client
 
     def sync_openai_client(self, **kwargs: Any) -> openai.OpenAI:
         """A sync OpenAI client, for sync agent code; attribution works the same way."""
-        base_url, api_key = self._endpoint()
+        base_url, api_key = self.endpoint()
         key = ("sync", tuple(sorted(kwargs.items())))
         if key not in self._clients:
             self._clients[key] = _client.sync_client(self, base_url, api_key, **kwargs)

@@ -126,13 +126,15 @@ def parse_scores(text: str, ids: list[str]) -> dict[str, float]:
 
 @dataclass
 class JudgeStats:
+    """What judging a group cost: calls, retries, cache hits, latency, tokens, errors."""
+
     calls: int = 0
     retries: int = 0
     cache_hits: int = 0
+    errors: list[str] = field(default_factory=list)
     latency_s: float = 0.0
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    errors: list[str] = field(default_factory=list)
 
 
 class Ruler:

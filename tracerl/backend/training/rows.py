@@ -8,6 +8,7 @@ fall back to chat-template rendering, counted in the ``rendered_rows`` metric.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,19 +48,19 @@ class Row:
 
 @dataclass
 class RowStats:
+    """How a step's rows were built: merged turns, prefix mismatches, rendered fallbacks."""
+
     rows: int = 0
+    # multi-turn rollouts: a call continuing the previous one's tokens joins its row
     merged_calls: int = 0
     prefix_mismatches: int = 0
+    # fallbacks and losses: rendered text, trajectories without rows, rows cut to fit
     rendered_rows: int = 0
     empty_trajectories: int = 0
     truncated_rows: int = 0
 
     def as_metrics(self) -> dict[str, float]:
-        return {"rows": float(self.rows), "merged_calls": float(self.merged_calls),
-                "prefix_mismatches": float(self.prefix_mismatches),
-                "rendered_rows": float(self.rendered_rows),
-                "empty_trajectories": float(self.empty_trajectories),
-                "truncated_rows": float(self.truncated_rows)}
+        return {name: float(value) for name, value in dataclasses.asdict(self).items()}
 
 
 def _temperature(call: LLMCall) -> float:
