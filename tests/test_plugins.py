@@ -83,9 +83,9 @@ def test_hook_reference_lists_every_hookspec_and_its_implementers(plugin_site):
                          env={**__import__("os").environ, "PYTHONPATH": f"{plugin_site}:{ROOT}"})
     assert out.returncode == 0, out.stderr
     assert all(name in out.stdout for name in specs)
-    score_section = out.stdout.split("tracerl_score_group(")[1].split("implemented by:")[1]
-    assert "example_judge" in score_section.splitlines()[0]
-    assert "[first result wins]" in out.stdout.split("tracerl_score_group(")[1].splitlines()[0]
+    score_section = out.stdout.split("\ntracerl_score_group(", 1)[1]
+    assert "[first result wins]" in score_section.splitlines()[0]
+    assert "example_judge" in score_section.split("implemented by:", 1)[1].splitlines()[0]
 
 
 def test_third_party_judge_and_logger_hooks_run(plugin_site):
