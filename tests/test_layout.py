@@ -7,6 +7,7 @@ inside functions and ``TYPE_CHECKING`` blocks), so a lazy import cannot hide a d
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -146,3 +147,65 @@ def test_every_package_names_its_stage_and_files_in_flow_order() -> None:
         files = sorted(p.stem for p in init.parent.glob("*.py") if p.name != "__init__.py")
         missing = [f for f in files if f"{f}.py" not in doc]
         assert doc and missing == [], f"{init}: docstring lacks {missing}"
+
+
+def test_hooks_are_fired_from_lifecycle_only() -> None:
+    """One place fires hooks (``core/lifecycle.py``); plugins.py only looks classes up."""
+    firing = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+                    if ".hook.tracerl_" in p.read_text())
+    assert firing == ["core/lifecycle.py"]
+
+
+# every public name users imported before the layout by stage (tracerl 0.1.0's __all__, the
+# ART import paths and the documented modules): each still imports from where it was
+PUBLIC_NAMES = {
+    "tracerl": "HOOKSPEC_VERSION AuthenticationError BackendUnavailableError CompletionRecord "
+               "ConfigError ContextThreadPoolExecutor EngineConfig EngineError History "
+               "InvalidTrajectoryError LLMCall LocalBackend LoraConfig Model ModelConfig "
+               "NotRegisteredError PluginError RemoteBackend RolloutException RolloutTimeoutError "
+               "Span TooManyExceptionsError TracerlError TrainConfig TrainableModel TrainingError "
+               "Trajectory TrajectoryGroup call_tags current_rollout dev gather_trajectories "
+               "gather_trajectory_groups hookimpl rollout_headers rollout_scope utils",
+    "tracerl.local": "LocalBackend",
+    "tracerl.utils": "DatasetBatch iterate_dataset limit_concurrency",
+    "tracerl.dev": "EngineArgs InitArgs InternalModelConfig LoRAConfig TrainConfig",
+    "tracerl.rewards": "DEFAULT_RUBRIC TrajectoryScore ruler ruler_score_group",
+    "tracerl.langgraph": "init_chat_model wrap_rollout",
+    "tracerl.ruler": "DEFAULT_RUBRIC Ruler RulerError TrajectoryScore parse_judgement parse_scores "
+                     "ruler ruler_score_group trajectory_id",
+    "tracerl.integrations.langchain": "TracerlCallbackHandler graph_rollout init_chat_model "
+                                      "wrap_rollout",
+    "tracerl.integrations.openai_agents": "TracerlModelProvider TracerlTracingProcessor "
+                                          "install_tracing",
+    "tracerl.integrations.litellm": "TracerlLiteLLMLogger completion_kwargs",
+    "tracerl.integrations.litellm_proxy": "LiteLLMProxy",
+    "tracerl.core.hookspecs": "HOOKSPEC_VERSION hookimpl hookspec",
+    "tracerl.core.plugins": "get_plugin_manager hook_reference list_plugins register",
+}
+
+
+@pytest.fixture(scope="module")
+def missing_public_names() -> dict[str, list[str]]:
+    """Imported in a fresh interpreter, so nothing the tests loaded before can help."""
+    code = ("import importlib, json, sys\n"
+            f"names = {PUBLIC_NAMES!r}\n"
+            "out = {}\n"
+            "for module, wanted in names.items():\n"
+            "    m = importlib.import_module(module)\n"
+            "    out[module] = [n for n in wanted.split() if not hasattr(m, n)]\n"
+            "print(json.dumps(out))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("module", sorted(PUBLIC_NAMES))
+def test_public_names_still_import_from_where_users_import_them(
+        module: str, missing_public_names: dict[str, list[str]]) -> None:
+    assert missing_public_names[module] == []
+
+
+def test_python_m_tracerl_is_the_cli() -> None:
+    out = subprocess.run([sys.executable, "-m", "tracerl", "--help"], capture_output=True,
+                         text=True)
+    assert out.returncode == 0 and "serve" in out.stdout and "demo" in out.stdout

@@ -8,6 +8,7 @@ on the thread each hook's documentation promises (:mod:`tracerl.core.hookspecs`)
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -69,4 +70,4 @@ async def score_group(group: TrajectoryGroup, judge: str | None = None) -> Any:
     if result is None:
         raise PluginError(f"no judge plugin scores groups (judge={judge!r}); "
                           "see `tracerl plugins`")
-    return await result if asyncio.iscoroutine(result) or hasattr(result, "__await__") else result
+    return await result if inspect.isawaitable(result) else result
