@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 import tracerl
-from tracerl.integrations import langfuse_logger
+from tracerl.core.lifecycle import trajectory_finished
+from tracerl.core.plugins import get_plugin_manager, register
+from tracerl.integrations.langfuse_logger import LangfuseLogger
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,22 +30,22 @@ def trajectory():
 
 
 @pytest.fixture
-def memory_exporter(monkeypatch):
+def registered_logger():
+    """A LangfuseLogger exporting to memory, registered as a plugin for the test."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     exporter = InMemorySpanExporter()
-    monkeypatch.setenv("TRACERL_LOGGERS", "langfuse")
-    langfuse_logger.configure(public_key="pk-test", secret_key="sk-test", base_url="http://127.0.0.1:9",
-                              span_exporter=exporter)
-    yield exporter
-    langfuse_logger.configure()
+    logger = LangfuseLogger(public_key="pk-test", secret_key="sk-test",
+                            base_url="http://127.0.0.1:9", span_exporter=exporter)
+    name = register(logger, name="langfuse_logger_test")
+    yield logger, exporter
+    get_plugin_manager().unregister(name=name)
 
 
-def test_rollout_becomes_a_trace_with_a_generation_per_call(memory_exporter):
-    from tracerl.core.plugins import get_plugin_manager
-
-    get_plugin_manager().hook.tracerl_on_trajectory_end(trajectory=trajectory())
-    langfuse_logger.flush()
+def test_rollout_becomes_a_trace_with_a_generation_per_call(registered_logger):
+    logger, memory_exporter = registered_logger
+    trajectory_finished(trajectory())
+    logger.flush()
     spans = {s.name: s for s in memory_exporter.get_finished_spans()}
     rollout, gen = spans["rollout"], spans["chat.completions"]
     assert rollout.attributes["langfuse.observation.type"] == "span"
@@ -78,11 +80,12 @@ def test_spans_reach_a_local_otlp_receiver_as_protobuf(tmp_path):
         import sys
         sys.path.insert(0, sys.argv[1])
         from tests.test_langfuse_logger import trajectory
+        from tracerl.core.lifecycle import trajectory_finished
         from tracerl.core.plugins import get_plugin_manager
-        from tracerl.integrations import langfuse_logger
-        get_plugin_manager().hook.tracerl_on_trajectory_end(trajectory=trajectory())
-        langfuse_logger.flush()
-        langfuse_logger.client().shutdown()
+        trajectory_finished(trajectory())
+        logger = get_plugin_manager().get_plugin("langfuse_logger")
+        logger.flush()
+        logger.client().shutdown()
     """)
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(ROOT), "TRACERL_QUIET": "1",
            "TRACERL_LOGGERS": "langfuse", "LANGFUSE_PUBLIC_KEY": "pk-lf", "LANGFUSE_SECRET_KEY": "sk-lf",

@@ -8,6 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -42,17 +44,20 @@ def wandb_history(run_file: str) -> list[dict]:
 
 def test_offline_run_files_contain_metrics_and_trajectory_tables(tmp_path):
     code = textwrap.dedent("""
+        import asyncio
         import tracerl
+        from tracerl.core.lifecycle import step_logged, train_event
         from tracerl.core.plugins import get_plugin_manager
-        from tracerl.integrations import wandb_logger
-        m = tracerl.TrainableModel(name="wb-model", project="wb-project", base_model="smollm2")
+        m = tracerl.ModelSpec(name="wb-model", project="wb-project", base_model="smollm2")
         g = tracerl.TrajectoryGroup([tracerl.Trajectory(
-            messages_and_choices=[{"role": "assistant", "content": "hi"}], reward=r) for r in (0.2, 0.8)])
-        hook = get_plugin_manager().hook
-        hook.tracerl_log_metrics(model=m, step=1, split="train", metrics={"reward": 0.5, "loss": 0.25})
-        hook.tracerl_log_metrics(model=m, step=2, split="train", metrics={"reward": 0.75, "loss": 0.125})
-        hook.tracerl_log_trajectories(model=m, step=2, split="val", groups=[g])
-        wandb_logger.finish_all()
+            messages_and_choices=[{"role": "assistant", "content": "hi"}], reward=r)
+            for r in (0.2, 0.8)])
+        config = tracerl.TrainConfig()
+        for step, metrics in [(1, {"reward": 0.5, "loss": 0.25}), (2, {"reward": 0.75, "loss": 0.125})]:
+            done = tracerl.TrainEvent("done", step, metrics=metrics)
+            asyncio.run(train_event(m, done, [], config))
+        asyncio.run(step_logged(m, 2, "val", {}, [g]))
+        get_plugin_manager().get_plugin("wandb_logger").finish()
     """)
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(ROOT),
            "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true",
@@ -73,10 +78,13 @@ def test_offline_run_files_contain_metrics_and_trajectory_tables(tmp_path):
     assert sorted(row[2] for row in table["data"]) == [0.2, 0.8]
 
 
-def test_logger_is_off_unless_enabled(monkeypatch):
-    from tracerl.integrations import wandb_logger
-
-    monkeypatch.delenv("TRACERL_LOGGERS", raising=False)
-    assert not wandb_logger.enabled()
-    monkeypatch.setenv("TRACERL_LOGGERS", "console, wandb")
-    assert wandb_logger.enabled()
+@pytest.mark.parametrize(("loggers", "registered"), [("", False), ("console, wandb", True)],
+                         ids=["off", "named"])
+def test_the_logger_is_registered_only_when_named(loggers, registered):
+    code = ("from tracerl.core.plugins import get_plugin_manager\n"
+            "print(get_plugin_manager().get_plugin('wandb_logger') is not None)")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "TRACERL_LOGGERS": loggers}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == str(registered)

@@ -6,7 +6,10 @@ import socket
 import pytest
 
 import tracerl
+from tracerl.core.lifecycle import trajectory_finished
+from tracerl.core.plugins import get_plugin_manager, register
 from tracerl.integrations import weave_logger
+from tracerl.integrations.weave_logger import WeaveLogger
 
 from .weave_server import WeaveRecorder
 
@@ -14,8 +17,8 @@ from .weave_server import WeaveRecorder
 @pytest.fixture
 def weave_recorder(monkeypatch):
     for k, v in {"WEAVE_PRINT_CALL_LINK": "false", "WEAVE_CAPTURE_CODE": "false",
-                 "WEAVE_IMPLICITLY_PATCH_INTEGRATIONS": "false", "WEAVE_USE_SERVER_CACHE": "false",
-                 "TRACERL_LOGGERS": "weave"}.items():
+                 "WEAVE_IMPLICITLY_PATCH_INTEGRATIONS": "false", "WEAVE_USE_SERVER_CACHE": "false"
+                 }.items():
         monkeypatch.setenv(k, v)
     real = socket.getaddrinfo
 
@@ -29,15 +32,18 @@ def weave_recorder(monkeypatch):
     from weave.trace_server_bindings.remote_http_trace_server import RemoteHTTPTraceServer
 
     recorder = WeaveRecorder()
-    weave_logger.configure(WeaveClient("tests", "weave", RemoteHTTPTraceServer(recorder.url, should_batch=True),
-                                       ensure_project_exists=False))
-    yield recorder
-    weave_logger.configure()
+    logger = WeaveLogger(WeaveClient("tests", "weave",
+                                     RemoteHTTPTraceServer(recorder.url, should_batch=True),
+                                     ensure_project_exists=False))
+    name = register(logger, name="weave_logger_test")
+    yield recorder, logger
+    get_plugin_manager().unregister(name=name)
     recorder.close()
 
 
 async def test_rollouts_become_weave_calls_with_rewards(tf_backend, weave_recorder):
     _, model = tf_backend
+    weave_recorder, logger = weave_recorder
 
     async def rollout(i: int) -> tracerl.Trajectory:
         client = model.openai_client()
@@ -51,7 +57,7 @@ async def test_rollouts_become_weave_calls_with_rewards(tf_backend, weave_record
 
     (group,) = await tracerl.gather_trajectory_groups(
         [tracerl.TrajectoryGroup(rollout(i) for i in range(2))], show_progress=False)
-    weave_logger.flush()
+    logger.flush()
 
     calls = weave_recorder.calls()
     rollouts = {c["attributes"]["rollout_id"]: c for c in calls.values()
@@ -77,9 +83,10 @@ async def test_rollouts_become_weave_calls_with_rewards(tf_backend, weave_record
             assert child["output"]["choices"][0]["text"] == record.completions[0].text
 
 
-def test_disabled_logger_sends_nothing(monkeypatch, weave_recorder):
-    monkeypatch.setenv("TRACERL_LOGGERS", "wandb")
-    t = tracerl.Trajectory(messages_and_choices=[{"role": "user", "content": "x"}], reward=1.0)
-    weave_logger.tracerl_on_trajectory_end(t)
-    weave_logger.flush()
+def test_an_unregistered_logger_sends_nothing(weave_recorder):
+    weave_recorder, logger = weave_recorder
+    get_plugin_manager().unregister(plugin=logger)
+    trajectory_finished(tracerl.Trajectory(messages_and_choices=[{"role": "user", "content": "x"}],
+                                           reward=1.0))
+    logger.flush()
     assert weave_recorder.calls() == {} and weave_recorder.feedback() == []

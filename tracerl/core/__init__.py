@@ -12,6 +12,7 @@ Data model:
 - ``metrics.py``: aggregate metrics of groups.
 - ``storage.py``: a model's folder, atomic writes, append-only JSONL.
 - ``net.py``: loopback addresses, free ports, child process groups.
+- ``loops.py``: values kept per event loop (HTTP clients cannot outlive their loop).
 
 Contracts:
 - ``backend.py``: the ``Backend`` contract and its ``TrainEvent`` stream.
