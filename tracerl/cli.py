@@ -102,10 +102,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             api_key = open(args.api_key_file).read().strip() or None
         except OSError as e:
             raise ConfigError(f"--api-key-file: {e}") from None
-    return serve(host=args.host, port=args.port, path=args.path, api_key=api_key, engine=args.engine,
-                 plugins=args.plugin, base_models=parse_base_models(args.base_model),
-                 max_upload_bytes=args.max_upload_mb * 1024 * 1024, max_queued=args.max_queued,
-                 allow_engine_args=args.allow_engine_args)
+    return serve(
+        host=args.host,
+        port=args.port,
+        path=args.path,
+        api_key=api_key,
+        engine=args.engine,
+        plugins=args.plugin,
+        base_models=parse_base_models(args.base_model),
+        max_upload_bytes=args.max_upload_mb * 1024 * 1024,
+        max_queued=args.max_queued,
+        allow_engine_args=args.allow_engine_args,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,7 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="show each plugin's hooks")
     p.set_defaults(func=_cmd_plugins)
 
-    p = sub.add_parser("hooks", help="the plugin API: every hook, its arguments and who implements it")
+    p = sub.add_parser(
+        "hooks", help="the plugin API: every hook, its arguments and who implements it"
+    )
     p.set_defaults(func=_cmd_hooks)
 
     p = sub.add_parser("prepare-model", help="resolve/convert a base model and print its folder")
@@ -127,7 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model_dir", help="e.g. .tracerl/PROJECT/models/NAME")
     p.add_argument("--out", default=None, help="default: MODEL_DIR/report.html")
     p.add_argument("--step", type=int, default=None, help="training step to show (default: last)")
-    p.add_argument("--png", action="store_true", help="also write MODEL_DIR/report.png (matplotlib)")
+    p.add_argument(
+        "--png", action="store_true", help="also write MODEL_DIR/report.png (matplotlib)"
+    )
     p.set_defaults(func=_cmd_report)
 
     p = sub.add_parser("demo", help="train SmolLM2-135M with GRPO on CPU on a verifiable task")
@@ -138,22 +150,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-path", default=".tracerl")
     p.set_defaults(func=_cmd_demo)
 
-    p = sub.add_parser("serve", help="serve the backend (gateway + trainer) for RemoteBackend clients")
-    p.add_argument("--host", default="127.0.0.1", help="bind address; anything but loopback needs an API key")
+    p = sub.add_parser(
+        "serve", help="serve the backend (gateway + trainer) for RemoteBackend clients"
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="bind address; anything but loopback needs an API key"
+    )
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    p.add_argument("--path", default=".tracerl", help="where models, trajectories and checkpoints live")
+    p.add_argument(
+        "--path", default=".tracerl", help="where models, trajectories and checkpoints live"
+    )
     p.add_argument("--engine", default=None, help="auto (default), vllm or transformers")
     p.add_argument("--api-key-env", default="TRACERL_API_KEY",
                    help="environment variable holding the API key (default TRACERL_API_KEY)")
     p.add_argument("--api-key-file", default=None, help="file holding the API key")
-    p.add_argument("--base-model", action="append", default=[], metavar="NAME=PATH",
-                   help="a model folder clients may train, by NAME (repeatable); smollm2 is built in")
+    p.add_argument(
+        "--base-model",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a model folder clients may train, by NAME (repeatable); smollm2 is built in",
+    )
     p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                    help="import MODULE and register it as a plugin (repeatable)")
     p.add_argument("--max-upload-mb", type=int, default=256, help="largest train/log upload")
     p.add_argument("--max-queued", type=int, default=4, help="training requests allowed to wait")
-    p.add_argument("--allow-engine-args", action="store_true",
-                   help="let clients pass vLLM flags (EngineConfig.extra_args); they can name server paths")
+    p.add_argument(
+        "--allow-engine-args",
+        action="store_true",
+        help="let clients pass vLLM flags (EngineConfig.extra_args); they can name server paths",
+    )
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("proxy", help="run a LiteLLM proxy in front of a tracerl gateway")

@@ -89,8 +89,12 @@ async def demo(steps: int, engine: str, base_path: str, group_size: int, groups_
             mean = sum(rewards) / len(rewards)
             metrics = await model.train(groups, config=config)
             curve.append(mean)
-            print(f"step {step:2d} train reward {mean:.3f} {_bar(mean)} loss {metrics.get('loss', 0):+.4f} "
-                  f"({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+            print(
+                f"step {step:2d} train reward {mean:.3f} {_bar(mean)} "
+                f"loss {metrics.get('loss', 0):+.4f} "
+                f"({time.perf_counter() - started:.0f} s)",
+                file=sys.stderr,
+            )
             if step % 4 == 0 or step == steps:
                 evals.append((step, await evaluate(model, held_out)))
                 print(f"        held-out reward {evals[-1][1]['reward']:.3f}", file=sys.stderr)
@@ -98,7 +102,10 @@ async def demo(steps: int, engine: str, base_path: str, group_size: int, groups_
         await backend.close()
     print("\nheld-out evaluation (greedy, 24 unseen numbers):")
     for step, m in evals:
-        print(f"  step {step:2d}  reward {m['reward']:.3f}  exact {m['metrics/exact']:.3f}  {_bar(m['reward'])}")
+        print(
+            f"  step {step:2d}  reward {m['reward']:.3f}  exact {m['metrics/exact']:.3f}  "
+            f"{_bar(m['reward'])}"
+        )
     first, last = evals[0][1]["reward"], evals[-1][1]["reward"]
     print(f"held-out reward {first:.3f} -> {last:.3f} in {time.perf_counter() - started:.0f} s; "
           f"model folder {backend.store(model).root}")

@@ -45,15 +45,18 @@ def svg_chart(title: str, series: dict[str, list[tuple[int, float]]]) -> str:
     def sy(y: float) -> float:
         return HEIGHT - PAD - (y - y0) / (y1 - y0) * (HEIGHT - 2 * PAD)
 
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" role="img" '
-             f'aria-label="{html.escape(title)}">',
-             f'<text x="{PAD}" y="20" font-size="14">{html.escape(title)}</text>',
-             f'<line x1="{PAD}" y1="{HEIGHT - PAD}" x2="{WIDTH - PAD}" y2="{HEIGHT - PAD}" stroke="#999"/>',
-             f'<line x1="{PAD}" y1="{PAD}" x2="{PAD}" y2="{HEIGHT - PAD}" stroke="#999"/>',
-             f'<text x="4" y="{sy(y1) + 4:.1f}" font-size="10">{y1:.3g}</text>',
-             f'<text x="4" y="{sy(y0) + 4:.1f}" font-size="10">{y0:.3g}</text>',
-             f'<text x="{PAD}" y="{HEIGHT - 20}" font-size="10">step {x0}</text>',
-             f'<text x="{WIDTH - PAD - 40}" y="{HEIGHT - 20}" font-size="10">step {x1}</text>']
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" role="img" '
+        f'aria-label="{html.escape(title)}">',
+        f'<text x="{PAD}" y="20" font-size="14">{html.escape(title)}</text>',
+        f'<line x1="{PAD}" y1="{HEIGHT - PAD}" x2="{WIDTH - PAD}" y2="{HEIGHT - PAD}" '
+        'stroke="#999"/>',
+        f'<line x1="{PAD}" y1="{PAD}" x2="{PAD}" y2="{HEIGHT - PAD}" stroke="#999"/>',
+        f'<text x="4" y="{sy(y1) + 4:.1f}" font-size="10">{y1:.3g}</text>',
+        f'<text x="4" y="{sy(y0) + 4:.1f}" font-size="10">{y0:.3g}</text>',
+        f'<text x="{PAD}" y="{HEIGHT - 20}" font-size="10">step {x0}</text>',
+        f'<text x="{WIDTH - PAD - 40}" y="{HEIGHT - 20}" font-size="10">step {x1}</text>',
+    ]
     for k, (split, pts) in enumerate(sorted(series.items())):
         colour = COLOURS.get(split, "#2ca02c")
         coords = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in pts)
@@ -61,8 +64,10 @@ def svg_chart(title: str, series: dict[str, list[tuple[int, float]]]) -> str:
                      f'stroke-width="2" points="{coords}"/>')
         for x, y in pts:
             parts.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{colour}"/>')
-        parts.append(f'<text x="{WIDTH - PAD - 60}" y="{20 + 14 * k}" font-size="12" fill="{colour}">'
-                     f'{html.escape(split)}</text>')
+        parts.append(
+            f'<text x="{WIDTH - PAD - 60}" y="{20 + 14 * k}" font-size="12" fill="{colour}">'
+            f"{html.escape(split)}</text>"
+        )
     parts.append("</svg>")
     return "\n".join(parts)
 
@@ -98,7 +103,9 @@ def build_report(model_dir: Path, step: int | None = None, n: int = 2) -> str:
         path = model_dir / "trajectories" / "train" / f"{step:04d}.jsonl"
         if not path.exists():
             raise ConfigError(f"no trajectories were saved for step {step}; steps: {steps}")
-        trajectories = sorted((t for g in read_groups_jsonl(path) for t in g), key=lambda t: t.reward)
+        trajectories = sorted(
+            (t for g in read_groups_jsonl(path) for t in g), key=lambda t: t.reward
+        )
         body.append(f"<h2>Step {step}: best {min(n, len(trajectories))}</h2>")
         body += [_render_trajectory(t) for t in reversed(trajectories[-n:])]
         body.append(f"<h2>Step {step}: worst {min(n, len(trajectories))}</h2>")

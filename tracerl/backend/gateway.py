@@ -91,14 +91,22 @@ def parse_tags(header: str | None) -> dict[str, Any] | None:
     if header is None:
         return None
     if len(header.encode()) > MAX_TAGS_BYTES:
-        raise EngineRequestError(f"{TAGS_HEADER} is larger than {MAX_TAGS_BYTES} bytes", param=TAGS_HEADER)
+        raise EngineRequestError(
+            f"{TAGS_HEADER} is larger than {MAX_TAGS_BYTES} bytes", param=TAGS_HEADER
+        )
     try:
         tags = json.loads(header)
     except json.JSONDecodeError:
-        raise EngineRequestError(f"{TAGS_HEADER} must be a JSON object", param=TAGS_HEADER) from None
+        raise EngineRequestError(
+            f"{TAGS_HEADER} must be a JSON object", param=TAGS_HEADER
+        ) from None
     if not isinstance(tags, dict) or not all(
-            isinstance(k, str) and isinstance(v, str | int | float | bool | type(None)) for k, v in tags.items()):
-        raise EngineRequestError(f"{TAGS_HEADER} must be a JSON object of scalar values", param=TAGS_HEADER)
+        isinstance(k, str) and isinstance(v, str | int | float | bool | type(None))
+        for k, v in tags.items()
+    ):
+        raise EngineRequestError(
+            f"{TAGS_HEADER} must be a JSON object of scalar values", param=TAGS_HEADER
+        )
     return tags
 
 
@@ -165,7 +173,9 @@ class Gateway:
                     served = m
                     break
         if served is None:
-            known = sorted({*self.models, *(m.engine.spec.served_name for m in self.models.values())})
+            known = sorted(
+                {*self.models, *(m.engine.spec.served_name for m in self.models.values())}
+            )
             raise EngineRequestError(f"The model `{requested}` does not exist. Served: {known}",
                                      status=404, param="model", code="model_not_found")
         engine_model, step = served.resolve(requested)
@@ -198,8 +208,11 @@ class Gateway:
         auth = request.headers.get("authorization", "")
         token = auth[7:] if auth.lower().startswith("bearer ") else ""
         if not hmac.compare_digest(token.encode(), self.api_key.encode()):
-            return openai_error(401, "Incorrect or missing API key (send Authorization: Bearer <key>)",
-                                code="invalid_api_key")
+            return openai_error(
+                401,
+                "Incorrect or missing API key (send Authorization: Bearer <key>)",
+                code="invalid_api_key",
+            )
         return None
 
     def _build_app(self) -> FastAPI:
@@ -276,7 +289,9 @@ class Gateway:
         await served.swap.acquire_read()
         started = time.perf_counter()
         try:
-            call = served.engine.chat if endpoint == "chat.completions" else served.engine.completions
+            call = (
+                served.engine.chat if endpoint == "chat.completions" else served.engine.completions
+            )
             response = await asyncio.wait_for(call(engine_body), timeout)
         except EngineRequestError as e:
             return error_response(e)
@@ -298,9 +313,17 @@ class Gateway:
     async def _record(self, served: ServedModel, endpoint: str, body: dict[str, Any],
                       response: dict[str, Any] | None, who: Attribution, step: int | None,
                       latency: float, streamed: bool, error: str | None = None) -> None:
-        call = build_call(endpoint=endpoint, caller_body=body, response=response, rollout_id=who.rollout_id,
-                          model=body.get("model", ""), adapter_step=step, latency_s=latency,
-                          streamed=streamed, error=error)
+        call = build_call(
+            endpoint=endpoint,
+            caller_body=body,
+            response=response,
+            rollout_id=who.rollout_id,
+            model=body.get("model", ""),
+            adapter_step=step,
+            latency_s=latency,
+            streamed=streamed,
+            error=error,
+        )
         if who.tags:
             call.metadata["tags"] = who.tags
         # Serialising and fsyncing a record takes milliseconds: done in a worker thread, so that
@@ -342,7 +365,11 @@ class Gateway:
                 while chunk is not None:
                     assembler.add(chunk)
                     chunk["model"] = body["model"]
-                    yield b"data: " + json.dumps(strip_for_caller("chat.completions", body, chunk)).encode() + b"\n\n"
+                    yield (
+                        b"data: "
+                        + json.dumps(strip_for_caller("chat.completions", body, chunk)).encode()
+                        + b"\n\n"
+                    )
                     try:
                         chunk = await asyncio.wait_for(anext(stream), timeout)
                     except StopAsyncIteration:
@@ -351,7 +378,14 @@ class Gateway:
             except (EngineError, TimeoutError) as e:
                 error = f"stream broke off: {e or type(e).__name__}"
                 self._schedule_restart(served.engine)
-                payload = {"error": {"message": error, "type": "service_unavailable", "param": None, "code": None}}
+                payload = {
+                    "error": {
+                        "message": error,
+                        "type": "service_unavailable",
+                        "param": None,
+                        "code": None,
+                    }
+                }
                 yield b"data: " + json.dumps(payload).encode() + b"\n\n"
             finally:
                 await served.swap.release_read()

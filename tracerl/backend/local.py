@@ -43,7 +43,9 @@ def choose_engine(requested: str) -> type[Engine]:
         for name in ("vllm", "transformers"):
             if name in engines and engines[name].available():
                 return engines[name]
-        raise EngineError("no inference engine is available: install vLLM or torch+transformers+peft")
+        raise EngineError(
+            "no inference engine is available: install vLLM or torch+transformers+peft"
+        )
     if requested not in engines:
         raise ConfigError(f"unknown engine {requested!r}; available: {sorted(engines)}")
     if not engines[requested].available():

@@ -32,7 +32,9 @@ def inject_training_fields(endpoint: str, body: dict[str, Any]) -> dict[str, Any
     return out
 
 
-def strip_for_caller(endpoint: str, caller_body: dict[str, Any], payload: dict[str, Any]) -> dict[str, Any]:
+def strip_for_caller(
+    endpoint: str, caller_body: dict[str, Any], payload: dict[str, Any]
+) -> dict[str, Any]:
     """Remove what the caller did not ask for from a response or stream chunk."""
     want_ids = bool(caller_body.get("return_token_ids"))
     if endpoint == "completions":  # logprobs=0 asks for the sampled token's logprob
@@ -65,7 +67,9 @@ def _chat_logprobs(choice: dict[str, Any]) -> list[float] | None:
     return [float(e["logprob"]) for e in content]
 
 
-def completions_from_response(endpoint: str, response: dict[str, Any]) -> tuple[list[int], list[CompletionRecord]]:
+def completions_from_response(
+    endpoint: str, response: dict[str, Any]
+) -> tuple[list[int], list[CompletionRecord]]:
     """Prompt token ids and one record per choice of a (non-streamed or assembled) response."""
     records = []
     prompt_ids = response.get("prompt_token_ids") or []
@@ -80,11 +84,15 @@ def completions_from_response(endpoint: str, response: dict[str, Any]) -> tuple[
         else:
             lp = (c.get("logprobs") or {}).get("token_logprobs")
             prompt_ids = prompt_ids or c.get("prompt_token_ids") or []
-            records.append(CompletionRecord(
-                index=c.get("index", 0), token_ids=c.get("token_ids") or [],
-                logprobs=[float(x) for x in lp] if lp is not None else None, text=c.get("text") or "",
-                finish_reason=c.get("finish_reason"),
-            ))
+            records.append(
+                CompletionRecord(
+                    index=c.get("index", 0),
+                    token_ids=c.get("token_ids") or [],
+                    logprobs=[float(x) for x in lp] if lp is not None else None,
+                    text=c.get("text") or "",
+                    finish_reason=c.get("finish_reason"),
+                )
+            )
     return list(prompt_ids), records
 
 
@@ -105,8 +113,16 @@ class StreamAssembler:
         if chunk.get("usage"):
             self.usage = chunk["usage"]
         for c in chunk.get("choices") or []:
-            acc = self.choices.setdefault(c.get("index", 0), {
-                "content": [], "token_ids": [], "logprobs": [], "tool_calls": {}, "finish_reason": None})
+            acc = self.choices.setdefault(
+                c.get("index", 0),
+                {
+                    "content": [],
+                    "token_ids": [],
+                    "logprobs": [],
+                    "tool_calls": {},
+                    "finish_reason": None,
+                },
+            )
             delta = c.get("delta") or {}
             if delta.get("content"):
                 acc["content"].append(delta["content"])
@@ -127,11 +143,21 @@ class StreamAssembler:
     def response(self) -> dict[str, Any]:
         choices = []
         for index, acc in sorted(self.choices.items()):
-            message: dict[str, Any] = {"role": "assistant", "content": "".join(acc["content"]) or None}
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": "".join(acc["content"]) or None,
+            }
             if acc["tool_calls"]:
                 message["tool_calls"] = [acc["tool_calls"][k] for k in sorted(acc["tool_calls"])]
-            choices.append({"index": index, "message": message, "finish_reason": acc["finish_reason"],
-                            "logprobs": {"content": acc["logprobs"]}, "token_ids": acc["token_ids"]})
+            choices.append(
+                {
+                    "index": index,
+                    "message": message,
+                    "finish_reason": acc["finish_reason"],
+                    "logprobs": {"content": acc["logprobs"]},
+                    "token_ids": acc["token_ids"],
+                }
+            )
         return {**self.base, "object": "chat.completion", "choices": choices,
                 "usage": self.usage, "prompt_token_ids": self.prompt_token_ids}
 
@@ -139,7 +165,9 @@ class StreamAssembler:
 def build_call(*, endpoint: str, caller_body: dict[str, Any], response: dict[str, Any] | None,
                rollout_id: str | None, model: str, adapter_step: int | None, latency_s: float,
                streamed: bool, error: str | None = None) -> LLMCall:
-    prompt_ids, completions = completions_from_response(endpoint, response) if response else ([], [])
+    prompt_ids, completions = (
+        completions_from_response(endpoint, response) if response else ([], [])
+    )
     temperature = caller_body.get("temperature")
     request = {k: v for k, v in caller_body.items() if k not in ("stream_options",)}
     # Stored: the response as the caller saw it, plus token ids. Per-token logprobs the caller

@@ -31,7 +31,9 @@ async def read_limited_body(request: Request, limit: int) -> bytes:
     ``limit``."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
-        raise BodyTooLargeError(f"request body of {length} bytes is over the limit of {limit} bytes")
+        raise BodyTooLargeError(
+            f"request body of {length} bytes is over the limit of {limit} bytes"
+        )
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -43,7 +45,9 @@ async def read_limited_body(request: Request, limit: int) -> bytes:
     if encoding in ("", "identity"):
         return raw
     if encoding != "gzip":
-        raise BadBodyEncodingError(f"Content-Encoding {encoding!r} is not supported (use gzip or none)")
+        raise BadBodyEncodingError(
+            f"Content-Encoding {encoding!r} is not supported (use gzip or none)"
+        )
     return gunzip_limited(raw, limit)
 
 

@@ -1,4 +1,5 @@
-"""OpenPipe ART compatibility: ART code ports by changing ``import art`` to ``import tracerl as art``.
+"""OpenPipe ART compatibility: ART code ports by changing ``import art`` to
+``import tracerl as art``.
 
 Every behaviour that exists only because ART has it, and where it lives:
 
@@ -49,18 +50,37 @@ from .config import EngineConfig, LoraConfig, ModelConfig
 from .errors import ConfigError
 
 # ART key -> EngineConfig field
-_ENGINE_FIELDS = {"gpu_memory_utilization": "gpu_memory_utilization", "max_model_len": "max_model_len",
-                  "max_num_seqs": "max_num_seqs", "dtype": "dtype", "tool_call_parser": "tool_call_parser"}
-_INIT_FIELDS = {"max_seq_length": "max_model_len", "gpu_memory_utilization": "gpu_memory_utilization",
-                "dtype": "dtype"}
+_ENGINE_FIELDS = {
+    "gpu_memory_utilization": "gpu_memory_utilization",
+    "max_model_len": "max_model_len",
+    "max_num_seqs": "max_num_seqs",
+    "dtype": "dtype",
+    "tool_call_parser": "tool_call_parser",
+}
+_INIT_FIELDS = {
+    "max_seq_length": "max_model_len",
+    "gpu_memory_utilization": "gpu_memory_utilization",
+    "dtype": "dtype",
+}
 # flags tracerl sets itself, or that only name the model (its base_model decides)
 _ENGINE_MANAGED = {"model", "served_model_name", "enable_lora", "max_loras", "host", "port",
                    "enable_auto_tool_choice", "enable_sleep_mode", "logprobs_mode"}
-_LORA_FIELDS = {"rank": "r", "r": "r", "alpha": "alpha", "lora_alpha": "alpha", "dropout": "dropout",
-                "lora_dropout": "dropout", "target_modules": "target_modules"}
+_LORA_FIELDS = {
+    "rank": "r",
+    "r": "r",
+    "alpha": "alpha",
+    "lora_alpha": "alpha",
+    "dropout": "dropout",
+    "lora_dropout": "dropout",
+    "target_modules": "target_modules",
+}
 # ART's per-step dev TrainConfig key -> tracerl TrainConfig field
-_TRAIN_FIELDS = {"epsilon": "epsilon", "epsilon_high": "epsilon_high", "scale_rewards": "scale_rewards",
-                 "kl_penalty_coef": "beta"}
+_TRAIN_FIELDS = {
+    "epsilon": "epsilon",
+    "epsilon_high": "epsilon_high",
+    "scale_rewards": "scale_rewards",
+    "kl_penalty_coef": "beta",
+}
 # keys whose ART meaning tracerl always has (so they change nothing here)
 _TRAIN_ALWAYS = {"allow_training_without_logprobs": True, "ppo": True}
 
@@ -75,7 +95,9 @@ def _dict(where: str, value: Any) -> Mapping[str, Any]:
 
 def _refuse(where: str, keys: list[str], hint: str) -> None:
     if keys:
-        raise ConfigError(f"{where}: tracerl has no equivalent for {', '.join(sorted(keys))}; {hint}")
+        raise ConfigError(
+            f"{where}: tracerl has no equivalent for {', '.join(sorted(keys))}; {hint}"
+        )
 
 
 def _vllm_flag(name: str, value: Any) -> list[str]:
@@ -98,8 +120,12 @@ def model_config_from_art(internal: Mapping[str, Any]) -> ModelConfig:
     for key, value in init.items():
         if key in _INIT_FIELDS:
             engine[_INIT_FIELDS[key]] = value
-    _refuse("_internal_config['init_args']", [k for k in init if k not in _INIT_FIELDS],
-            "remove them (Unsloth loading is tracerl's choice on GPUs; quantised loading is not supported)")
+    _refuse(
+        "_internal_config['init_args']",
+        [k for k in init if k not in _INIT_FIELDS],
+        "remove them (Unsloth loading is tracerl's choice on GPUs; quantised loading is not "
+        "supported)",
+    )
     args = _dict("_internal_config['engine_args']", internal.get("engine_args"))
     for key, value in args.items():
         if key in _ENGINE_FIELDS:

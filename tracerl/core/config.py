@@ -24,9 +24,12 @@ class TrainConfig(_Strict):
         "current_learner", description="ART's name for where the KL term's policy logprobs come "
         "from: the model being trained (TRL's way, the only one here)")
     kl_bias_correction: bool = Field(
-        True, description="weight the KL term by the importance ratio (unbiased reverse KL, as TRL)")
+        True, description="weight the KL term by the importance ratio (unbiased reverse KL, as TRL)"
+    )
     epsilon: float = Field(0.2, gt=0, description="lower clip range of the importance ratio")
-    epsilon_high: float | None = Field(None, gt=0, description="upper clip range (default: epsilon)")
+    epsilon_high: float | None = Field(
+        None, gt=0, description="upper clip range (default: epsilon)"
+    )
     scale_rewards: bool = Field(True, description="divide advantages by the group's reward std")
     loss_normalization: Literal["token", "sequence"] = "token"
     max_grad_norm: float | None = Field(1.0, gt=0)
@@ -58,7 +61,9 @@ class LoraConfig(_Strict):
 class EngineConfig(_Strict):
     """How the backend serves the model."""
 
-    engine: str = Field("auto", description="'vllm', 'transformers' or 'auto' (vLLM when available)")
+    engine: str = Field(
+        "auto", description="'vllm', 'transformers' or 'auto' (vLLM when available)"
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int = Field(2048, ge=64)
     max_num_seqs: int = Field(32, ge=1)

@@ -103,7 +103,9 @@ def call_tags(**tags: str | int | float | bool | None) -> Iterator[dict[str, Any
     merged = {**(_call_tags.get() or {}), **tags}
     for k, v in merged.items():
         if not isinstance(v, str | int | float | bool | type(None)):
-            raise TypeError(f"call tag {k!r} must be a str, number, bool or None, got {type(v).__name__}")
+            raise TypeError(
+                f"call tag {k!r} must be a str, number, bool or None, got {type(v).__name__}"
+            )
     token = _call_tags.set(merged)
     try:
         yield merged

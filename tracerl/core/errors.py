@@ -127,7 +127,9 @@ class QueueFullError(TrainingError, code="queue_full", status=429):
     """Too many training requests are waiting."""
 
 
-class BackendUnavailableError(TracerlError, ConnectionError, code="backend_unavailable", status=503):
+class BackendUnavailableError(
+    TracerlError, ConnectionError, code="backend_unavailable", status=503
+):
     """A remote backend could not be reached, or kept failing, until the retry budget ran out."""
 
 

@@ -196,8 +196,10 @@ class HookDoc:
 def _signature(name: str, fn: Any) -> str:
     """``name(arg: Type, ...) -> Type`` from the (postponed, so textual) annotations."""
     sig = inspect.signature(fn)
-    params = ", ".join(p.name if p.annotation is inspect.Parameter.empty else f"{p.name}: {p.annotation}"
-                       for p in sig.parameters.values())
+    params = ", ".join(
+        p.name if p.annotation is inspect.Parameter.empty else f"{p.name}: {p.annotation}"
+        for p in sig.parameters.values()
+    )
     return f"{name}({params}) -> {sig.return_annotation}"
 
 

@@ -14,7 +14,9 @@ from pydantic import Field, field_validator
 
 from .validated import Validated, check_json
 
-SpanKind = Literal["rollout", "chain", "node", "agent", "llm", "tool", "handoff", "guardrail", "custom"]
+SpanKind = Literal[
+    "rollout", "chain", "node", "agent", "llm", "tool", "handoff", "guardrail", "custom"
+]
 
 
 class Span(Validated):
@@ -53,8 +55,9 @@ def link_spans_to_calls(spans: list[Span], calls: list[Any]) -> None:
     """Pair LLM spans with the token records they produced.
 
     A call is matched by the span id it was tagged with (``call_tags(span_id=...)``), or the
-    first unpaired LLM span under its tagged ``parent_span_id``, else by the provider response id; LLM spans left without either are paired with the remaining
-    calls in time order when the counts agree. Matched calls get ``metadata['span_id']`` and
+    first unpaired LLM span under its tagged ``parent_span_id``, else by the provider response
+    id; LLM spans left without either are paired with the remaining calls in time order when
+    the counts agree. Matched calls get ``metadata['span_id']`` and
     ``metadata['span_path']``; matched spans get ``call_id``.
     """
     by_id = {s.id: s for s in spans}
@@ -76,7 +79,9 @@ def link_spans_to_calls(spans: list[Span], calls: list[Any]) -> None:
         _pair(span, call, by_id)
     free = [s for s in llm_spans if s.call_id is None]
     if free and len(free) == len(unmatched_calls):
-        for span, call in zip(sorted(free, key=lambda s: s.start_time), unmatched_calls, strict=True):
+        for span, call in zip(
+            sorted(free, key=lambda s: s.start_time), unmatched_calls, strict=True
+        ):
             _pair(span, call, by_id)
 
 

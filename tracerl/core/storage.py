@@ -163,7 +163,9 @@ class ModelStore:
         """Delete temporary checkpoint folders left by a crash mid-save."""
         if not self.checkpoints_dir.exists():
             return []
-        partial = [p for p in self.checkpoints_dir.iterdir() if p.is_dir() and p.name.endswith(".tmp")]
+        partial = [
+            p for p in self.checkpoints_dir.iterdir() if p.is_dir() and p.name.endswith(".tmp")
+        ]
         for p in partial:
             shutil.rmtree(p, ignore_errors=True)
         return partial

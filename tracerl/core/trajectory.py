@@ -35,7 +35,9 @@ MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "
 
 def _check_finite(name: str, value: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidTrajectoryError(f"{name} must be a number, got {type(value).__name__}: {value!r}")
+        raise InvalidTrajectoryError(
+            f"{name} must be a number, got {type(value).__name__}: {value!r}"
+        )
     if not math.isfinite(value):
         raise InvalidTrajectoryError(f"{name} must be finite, got {value!r}")
     return float(value)
@@ -62,7 +64,8 @@ class CompletionRecord(_Validated):
         if self.logprobs is not None:
             if len(self.logprobs) != len(self.token_ids):
                 raise InvalidTrajectoryError(
-                    f"completion has {len(self.token_ids)} token ids but {len(self.logprobs)} logprobs"
+                    f"completion has {len(self.token_ids)} token ids but "
+                    f"{len(self.logprobs)} logprobs"
                 )
             for lp in self.logprobs:
                 if math.isnan(lp) or lp > 1e-4:
@@ -122,7 +125,9 @@ def _to_message_or_choice(item: Any, position: int) -> dict[str, Any] | Choice:
 class Conversation(_Validated):
     """A chat history: messages, and ``Choice`` objects where the model answered."""
 
-    model_config = ConfigDict(arbitrary_types_allowed=True, validate_assignment=True, extra="forbid")
+    model_config = ConfigDict(
+        arbitrary_types_allowed=True, validate_assignment=True, extra="forbid"
+    )
 
     messages_and_choices: list[Any] = Field(default_factory=list)
     tools: list[dict[str, Any]] | None = None
@@ -329,7 +334,9 @@ def write_groups_jsonl(path: Path, groups: Iterable[TrajectoryGroup], append: bo
     atomic_write_text(path, existing + group_lines(groups))
 
 
-def parse_group_lines(lines: Iterable[str], source: str, first_lineno: int = 1) -> list[TrajectoryGroup]:
+def parse_group_lines(
+    lines: Iterable[str], source: str, first_lineno: int = 1
+) -> list[TrajectoryGroup]:
     """Groups from JSONL lines (blank lines skipped); a bad line names ``source`` and its number."""
     groups = []
     for lineno, line in enumerate(lines, first_lineno):
@@ -338,7 +345,9 @@ def parse_group_lines(lines: Iterable[str], source: str, first_lineno: int = 1) 
         try:
             groups.append(TrajectoryGroup.from_json(line))
         except InvalidTrajectoryError as e:
-            raise InvalidTrajectoryError(f"{source}:{lineno}: not a valid trajectory group: {e}") from e
+            raise InvalidTrajectoryError(
+                f"{source}:{lineno}: not a valid trajectory group: {e}"
+            ) from e
     return groups
 
 

@@ -37,7 +37,8 @@ class Validated(BaseModel):
 
 
 def check_int(name: str, value: object, minimum: int) -> int:
-    """``value`` if it is an integer (not a bool) >= ``minimum``, else a ValueError naming ``name``."""
+    """``value`` if it is an integer (not a bool) >= ``minimum``, else a ValueError naming
+    ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return value

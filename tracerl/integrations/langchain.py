@@ -74,22 +74,44 @@ class TracerlCallbackHandler(BaseCallbackHandler):
         self.recorder.end(str(run_id), error=error)
 
     # chat models and LLMs
-    def on_chat_model_start(self, serialized: dict[str, Any] | None, messages: list[list[BaseMessage]],
-                            *, run_id: UUID, parent_run_id: UUID | None = None,
-                            tags: list[str] | None = None, metadata: dict[str, Any] | None = None,
-                            **kwargs: Any) -> None:
+    def on_chat_model_start(
+        self,
+        serialized: dict[str, Any] | None,
+        messages: list[list[BaseMessage]],
+        *,
+        run_id: UUID,
+        parent_run_id: UUID | None = None,
+        tags: list[str] | None = None,
+        metadata: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         params = kwargs.get("invocation_params") or {}
-        tools = [t.get("function", t).get("name") for t in params.get("tools") or [] if isinstance(t, dict)]
-        self.recorder.start(str(run_id), "llm", kwargs.get("name") or _serialized_name(serialized) or "chat_model",
-                            self._parent(parent_run_id), model=params.get("model") or params.get("model_name"),
-                            node=(metadata or {}).get("langgraph_node"),
-                            messages=sum(len(m) for m in messages), tools=tools or None)
+        tools = [
+            t.get("function", t).get("name")
+            for t in params.get("tools") or []
+            if isinstance(t, dict)
+        ]
+        self.recorder.start(
+            str(run_id),
+            "llm",
+            kwargs.get("name") or _serialized_name(serialized) or "chat_model",
+            self._parent(parent_run_id),
+            model=params.get("model") or params.get("model_name"),
+            node=(metadata or {}).get("langgraph_node"),
+            messages=sum(len(m) for m in messages),
+            tools=tools or None,
+        )
 
     def on_llm_start(self, serialized: dict[str, Any] | None, prompts: list[str], *, run_id: UUID,
                      parent_run_id: UUID | None = None, metadata: dict[str, Any] | None = None,
                      **kwargs: Any) -> None:
-        self.recorder.start(str(run_id), "llm", kwargs.get("name") or _serialized_name(serialized) or "llm",
-                            self._parent(parent_run_id), node=(metadata or {}).get("langgraph_node"))
+        self.recorder.start(
+            str(run_id),
+            "llm",
+            kwargs.get("name") or _serialized_name(serialized) or "llm",
+            self._parent(parent_run_id),
+            node=(metadata or {}).get("langgraph_node"),
+        )
 
     def on_llm_end(self, response: Any, *, run_id: UUID, **kwargs: Any) -> None:
         span = self.recorder.end(str(run_id))
@@ -112,9 +134,15 @@ class TracerlCallbackHandler(BaseCallbackHandler):
     def on_tool_start(self, serialized: dict[str, Any] | None, input_str: str, *, run_id: UUID,
                       parent_run_id: UUID | None = None, metadata: dict[str, Any] | None = None,
                       inputs: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        self.recorder.start(str(run_id), "tool", kwargs.get("name") or _serialized_name(serialized) or "tool",
-                            self._parent(parent_run_id), input=short(inputs if inputs is not None else input_str),
-                            tool_call_id=kwargs.get("tool_call_id"), node=(metadata or {}).get("langgraph_node"))
+        self.recorder.start(
+            str(run_id),
+            "tool",
+            kwargs.get("name") or _serialized_name(serialized) or "tool",
+            self._parent(parent_run_id),
+            input=short(inputs if inputs is not None else input_str),
+            tool_call_id=kwargs.get("tool_call_id"),
+            node=(metadata or {}).get("langgraph_node"),
+        )
 
     def on_tool_end(self, output: Any, *, run_id: UUID, **kwargs: Any) -> None:
         self.recorder.end(str(run_id), output=short(getattr(output, "content", output)))
@@ -158,7 +186,9 @@ def install() -> None:
 
 # --- chat model and rollouts ------------------------------------------------------------------
 
-_WRAPPED_MODEL: contextvars.ContextVar[Any] = contextvars.ContextVar("tracerl_wrapped_model", default=None)
+_WRAPPED_MODEL: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "tracerl_wrapped_model", default=None
+)
 
 
 def init_chat_model(model: Any = None, **kwargs: Any) -> Any:
@@ -181,15 +211,22 @@ def init_chat_model(model: Any = None, **kwargs: Any) -> Any:
 
     base_url, api_key = model.endpoint()
     kwargs.setdefault("max_retries", 0)  # a retry would record the call twice
-    return ChatOpenAI(model=model.get_inference_name(), base_url=base_url, api_key=api_key,
-                      http_client=sync_http_client(model), http_async_client=async_http_client(model),
-                      **kwargs)
+    return ChatOpenAI(
+        model=model.get_inference_name(),
+        base_url=base_url,
+        api_key=api_key,
+        http_client=sync_http_client(model),
+        http_async_client=async_http_client(model),
+        **kwargs,
+    )
 
 
 RewardFn = Callable[..., float | tuple[float, dict[str, float]] | Awaitable[Any]]
 
 
-def wrap_rollout(model: Any, fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Trajectory]]:
+def wrap_rollout(
+    model: Any, fn: Callable[..., Awaitable[Any]]
+) -> Callable[..., Awaitable[Trajectory]]:
     """Turn ``async fn(*args, **kwargs)`` running LangChain/LangGraph code into a rollout.
 
     ``fn`` returns a :class:`Trajectory`, or a reward (a number, or ``(reward, metrics)``), in

@@ -63,7 +63,9 @@ class TracerlLiteLLMLogger(CustomLogger):
         span_id = _span_id(kwargs)
         if span_id in self._ended or self.recorder.get(span_id) is not None:
             return  # LiteLLM calls this again on some error paths
-        self.recorder.start(span_id, "llm", model or "litellm", litellm_call_id=kwargs.get("litellm_call_id"))
+        self.recorder.start(
+            span_id, "llm", model or "litellm", litellm_call_id=kwargs.get("litellm_call_id")
+        )
 
     def _record(self, kwargs: dict[str, Any], response_obj: Any, start_time: Any, end_time: Any,
                 error: Any = None) -> None:
@@ -90,7 +92,11 @@ class TracerlLiteLLMLogger(CustomLogger):
         self._record(kwargs, response_obj, start_time, end_time)
 
     def log_failure_event(self, kwargs, response_obj, start_time, end_time):
-        self._record(kwargs, None, start_time, end_time, error=str(kwargs.get("exception") or "failed"))
+        self._record(
+            kwargs, None, start_time, end_time, error=str(kwargs.get("exception") or "failed")
+        )
 
     async def async_log_failure_event(self, kwargs, response_obj, start_time, end_time):
-        self._record(kwargs, None, start_time, end_time, error=str(kwargs.get("exception") or "failed"))
+        self._record(
+            kwargs, None, start_time, end_time, error=str(kwargs.get("exception") or "failed")
+        )

@@ -27,7 +27,7 @@ from ..core.net import free_port, stop_process_group
 
 CALLBACK_MODULE = "tracerl_proxy_callback"
 
-CALLBACK_SOURCE = f'''"""Written by tracerl: forwards rollout attribution headers to the tracerl gateway."""
+CALLBACK_SOURCE = f'''"""Written by tracerl: forwards rollout attribution headers to its gateway."""
 from litellm.integrations.custom_logger import CustomLogger
 
 FORWARD = ({ROLLOUT_HEADER!r}, {TAGS_HEADER!r})
@@ -56,9 +56,18 @@ def write_proxy_config(directory: Path, *, upstream_base_url: str, upstream_api_
     directory.mkdir(parents=True, exist_ok=True)
     (directory / f"{CALLBACK_MODULE}.py").write_text(CALLBACK_SOURCE)
     config = {
-        "model_list": [{"model_name": name, "litellm_params": {
-            "model": f"hosted_vllm/{name}", "api_base": upstream_base_url, "api_key": upstream_api_key,
-            "num_retries": 0}} for name in model_names],
+        "model_list": [
+            {
+                "model_name": name,
+                "litellm_params": {
+                    "model": f"hosted_vllm/{name}",
+                    "api_base": upstream_base_url,
+                    "api_key": upstream_api_key,
+                    "num_retries": 0,
+                },
+            }
+            for name in model_names
+        ],
         "litellm_settings": {"callbacks": f"{CALLBACK_MODULE}.recorder", "num_retries": 0},
         "general_settings": {"disable_spend_logs": True},
     }
@@ -98,23 +107,49 @@ class LiteLLMProxy:
         return f"http://{self.host}:{self.port}/v1"
 
     def start(self) -> LiteLLMProxy:
-        config = write_proxy_config(self.directory, upstream_base_url=self.upstream_base_url,
-                                    upstream_api_key=self.upstream_api_key, model_names=self.model_names)
+        config = write_proxy_config(
+            self.directory,
+            upstream_base_url=self.upstream_base_url,
+            upstream_api_key=self.upstream_api_key,
+            model_names=self.model_names,
+        )
         self.port = self.port or free_port(self.host)
-        env = {**os.environ, "LITELLM_MASTER_KEY": self.master_key, "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-               "LITELLM_OFFLINE_MODE": "true", "PYTHONPATH": str(self.directory)}
+        env = {
+            **os.environ,
+            "LITELLM_MASTER_KEY": self.master_key,
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+            "LITELLM_OFFLINE_MODE": "true",
+            "PYTHONPATH": str(self.directory),
+        }
         log = open(self.directory / "proxy.log", "wb")
         self.process = subprocess.Popen(
-            [*_litellm_command(self.python), "--config", str(config), "--host", self.host,
-             "--port", str(self.port)], cwd=self.directory, env=env, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True)
+            [
+                *_litellm_command(self.python),
+                "--config",
+                str(config),
+                "--host",
+                self.host,
+                "--port",
+                str(self.port),
+            ],
+            cwd=self.directory,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the LiteLLM proxy exited with {self.process.returncode}; "
                                    f"see {self.directory / 'proxy.log'}")
             try:
-                if httpx2.get(f"http://{self.host}:{self.port}/health/liveliness", timeout=2).status_code == 200:
+                if (
+                    httpx2.get(
+                        f"http://{self.host}:{self.port}/health/liveliness", timeout=2
+                    ).status_code
+                    == 200
+                ):
                     return self
             except httpx2.HTTPError:
                 pass

@@ -50,7 +50,11 @@ class TracerlTracingProcessor(TracingProcessor):
         if data.type == "function":
             attrs = {"input": short(data.input), "output": short(data.output)}
         elif data.type == "agent":
-            attrs = {"tools": data.tools, "handoffs": data.handoffs, "output_type": data.output_type}
+            attrs = {
+                "tools": data.tools,
+                "handoffs": data.handoffs,
+                "output_type": data.output_type,
+            }
         elif data.type == "generation":
             attrs = {"model": data.model, "usage": data.usage}
         elif data.type == "handoff":
@@ -124,8 +128,12 @@ class TracerlModelProvider(ModelProvider):
                 model_name and model_name.startswith(f"{self.model.name}@")):
             name = model_name if model_name and "@" in model_name else served
             # the client is made per event loop by the tracerl model
-            return _TaggedModel(OpenAIChatCompletionsModel(model=name, openai_client=self.model.openai_client()))
+            return _TaggedModel(
+                OpenAIChatCompletionsModel(model=name, openai_client=self.model.openai_client())
+            )
         if self.fallback is not None:
             return self.fallback.get_model(model_name)
-        raise ValueError(f"TracerlModelProvider serves {self.model.name!r}; agent model {model_name!r} "
-                         "is not it (pass fallback=MultiProvider() to route other names)")
+        raise ValueError(
+            f"TracerlModelProvider serves {self.model.name!r}; agent model {model_name!r} "
+            "is not it (pass fallback=MultiProvider() to route other names)"
+        )

@@ -44,14 +44,19 @@ class SpanRecorder:
     def get(self, span_id: str) -> Span | None:
         return self._open.get(span_id)
 
-    def end(self, span_id: str, error: BaseException | str | None = None, **attributes: Any) -> Span | None:
+    def end(
+        self, span_id: str, error: BaseException | str | None = None, **attributes: Any
+    ) -> Span | None:
         with self._lock:
             span = self._open.pop(span_id, None)
         if span is None:
             return None
         span.end_time = time.time()
         if attributes:
-            span.attributes = {**span.attributes, **{k: v for k, v in attributes.items() if v is not None}}
+            span.attributes = {
+                **span.attributes,
+                **{k: v for k, v in attributes.items() if v is not None},
+            }
         if error is not None:
             span.error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         return span

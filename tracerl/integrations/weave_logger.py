@@ -69,7 +69,10 @@ class WeaveLogger:
         rollout = wc.create_call(
             ROLLOUT_OP,
             {"messages": messages[:-1], "tools": trajectory.tools, "metadata": trajectory.metadata},
-            attributes={"rollout_id": trajectory.rollout_id, "adapter_step": max(steps, default=None)},
+            attributes={
+                "rollout_id": trajectory.rollout_id,
+                "adapter_step": max(steps, default=None),
+            },
             use_stack=False,
             started_at=_time(calls[0].created_at - calls[0].latency_s) if calls else None,
         )

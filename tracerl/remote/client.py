@@ -85,8 +85,11 @@ class RemoteBackend(Backend):
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
         url = httpx2.URL(self.base_url)
         if url.scheme == "http" and not is_loopback(url.host):
-            warnings.warn(f"{self.base_url} is plain HTTP: the API key and the trajectories cross the "
-                          "network unencrypted; put the server behind TLS (https://)", stacklevel=2)
+            warnings.warn(
+                f"{self.base_url} is plain HTTP: the API key and the trajectories cross the "
+                "network unencrypted; put the server behind TLS (https://)",
+                stacklevel=2,
+            )
         self.api_key = api_key if api_key is not None else os.environ.get("TRACERL_API_KEY")
         self.timeout = httpx2.Timeout(timeout_s, connect=connect_timeout_s)
         self.retry_for_s = retry_for_s
@@ -118,8 +121,10 @@ class RemoteBackend(Backend):
                 last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             if not await backoff.wait():
                 raise BackendUnavailableError(
-                    f"{what}: the server at {self.base_url} did not answer for {self.retry_for_s:.0f} s "
-                    f"(last problem: {last})")
+                    f"{what}: the server at {self.base_url} did not answer for "
+                    f"{self.retry_for_s:.0f} s "
+                    f"(last problem: {last})"
+                )
 
     async def _check(self, response: httpx2.Response) -> httpx2.Response:
         if response.status_code in RETRY_STATUSES:
@@ -134,8 +139,16 @@ class RemoteBackend(Backend):
             raise exception_for(response.status_code, payload)
         return response
 
-    async def _call(self, method: str, path: str, *, model: ModelLike | None = None, json_body: Any = None,
-                    content: bytes | None = None, headers: dict[str, str] | None = None) -> Any:
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        model: ModelLike | None = None,
+        json_body: Any = None,
+        content: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> Any:
         """An idempotent request, retried; re-registers ``model`` if the server forgot it."""
         async def attempt() -> Any:
             response = await self._client().request(method, API_PREFIX + path, json=json_body,
@@ -154,7 +167,9 @@ class RemoteBackend(Backend):
     def _model_path(self, model: ModelLike) -> str:
         return f"/models/{model.project}/{model.name}"
 
-    def _upload(self, params: dict[str, Any], groups: list[TrajectoryGroup]) -> tuple[bytes, dict[str, str]]:
+    def _upload(
+        self, params: dict[str, Any], groups: list[TrajectoryGroup]
+    ) -> tuple[bytes, dict[str, str]]:
         body = encode_groups(params, groups)
         headers = {"content-type": NDJSON}
         if self.compress_uploads:
@@ -169,8 +184,11 @@ class RemoteBackend(Backend):
         response = await self._call("POST", "/models", json_body=model.definition())
         self._models[model.key] = model
         info = response.json()
-        return InferenceEndpoint(self.base_url + info["gateway_path"], self.api_key or "tracerl-remote",
-                                 info["model_name"])
+        return InferenceEndpoint(
+            self.base_url + info["gateway_path"],
+            self.api_key or "tracerl-remote",
+            info["model_name"],
+        )
 
     async def status(self) -> dict[str, Any]:
         """The server's state: ready, models and their steps, training requests in progress."""
@@ -182,14 +200,17 @@ class RemoteBackend(Backend):
     async def train(self, model: ModelLike, groups: list[TrajectoryGroup], config: TrainConfig
                     ) -> AsyncIterator[TrainEvent]:
         request_id = "train-" + uuid.uuid4().hex
-        body, headers = self._upload({"request_id": request_id, "config": config.model_dump(mode="json")},
-                                     groups)
+        body, headers = self._upload(
+            {"request_id": request_id, "config": config.model_dump(mode="json")}, groups
+        )
         path = API_PREFIX + self._model_path(model) + "/train"
         backoff, started = _Backoff(self.retry_for_s), False
         while True:
             connected = False
             try:
-                async with self._client().stream("POST", path, content=body, headers=headers) as response:
+                async with self._client().stream(
+                    "POST", path, content=body, headers=headers
+                ) as response:
                     await self._check(response)
                     connected = True
                     async for line in response.aiter_lines():
@@ -231,7 +252,9 @@ class RemoteBackend(Backend):
                          headers=headers)
 
     async def fetch_calls(self, model: ModelLike, rollout_id: str) -> list[LLMCall]:
-        response = await self._call("GET", f"{self._model_path(model)}/calls/{rollout_id}", model=model)
+        response = await self._call(
+            "GET", f"{self._model_path(model)}/calls/{rollout_id}", model=model
+        )
         return [LLMCall.model_validate(c) for c in response.json()]
 
     async def history(self, model: ModelLike) -> list[dict[str, Any]]:

@@ -59,7 +59,9 @@ def request_marker(store: ModelStore, kind: str, request_id: Any) -> Path:
 def _write_marker(store: ModelStore, job: TrainJob) -> None:
     record = {"request_id": job.request_id, "step": job.step, "state": job.state,
               "metrics": job.metrics, "error": job.error, "time": time.time()}
-    atomic_write_text(request_marker(store, "train", job.request_id), json.dumps(record, allow_nan=False))
+    atomic_write_text(
+        request_marker(store, "train", job.request_id), json.dumps(record, allow_nan=False)
+    )
 
 
 class TrainQueue:
@@ -119,7 +121,9 @@ class TrainQueue:
         if active is not None:
             raise TrainConflictError(
                 f"model {key} already has training request {active.request_id} {active.state} "
-                f"(step {active.step or 'not yet assigned'}); wait for it, or send that id again to follow it")
+                f"(step {active.step or 'not yet assigned'}); wait for it, or send that id "
+                "again to follow it"
+            )
         if self.queued() >= self.max_queued:
             raise QueueFullError(f"{self.queued()} training requests are already waiting "
                                  f"(limit {self.max_queued}); retry later")
@@ -177,7 +181,12 @@ class TrainQueue:
                 yield {"event": "error", "step": job.step, **(job.error or {})}
                 return
             elapsed = time.monotonic() - job.started_at if job.started_at else 0.0
-            yield {"event": "heartbeat", "state": job.state, "step": job.step, "elapsed_s": round(elapsed, 3)}
+            yield {
+                "event": "heartbeat",
+                "state": job.state,
+                "step": job.step,
+                "elapsed_s": round(elapsed, 3),
+            }
 
     async def close(self) -> None:
         for task in list(self._tasks):

@@ -36,9 +36,16 @@ SMALL_BODY_BYTES = 1024 * 1024
 class ControlServer:
     """Registered models, the training queue and the routes that reach them."""
 
-    def __init__(self, backend: LocalBackend, *, max_upload_bytes: int = 256 * 1024 * 1024,
-                 max_queued: int = 4, heartbeat_s: float = 5.0,
-                 base_models: dict[str, str] | None = None, allow_engine_args: bool = False) -> None:
+    def __init__(
+        self,
+        backend: LocalBackend,
+        *,
+        max_upload_bytes: int = 256 * 1024 * 1024,
+        max_queued: int = 4,
+        heartbeat_s: float = 5.0,
+        base_models: dict[str, str] | None = None,
+        allow_engine_args: bool = False,
+    ) -> None:
         self.backend = backend
         self.base_models = dict(base_models or {})
         self.allow_engine_args = allow_engine_args
@@ -107,7 +114,9 @@ class ControlServer:
         """Register again every model this server's folder holds (after a restart)."""
         restored = []
         for definition_path in sorted(Path(base_path).glob("*/models/*/model.json")):
-            spec = await self._add(ModelSpec.from_definition(json.loads(definition_path.read_text())))
+            spec = await self._add(
+                ModelSpec.from_definition(json.loads(definition_path.read_text()))
+            )
             restored.append(spec.key)
         self.ready = True
         return restored
@@ -170,7 +179,8 @@ class ControlServer:
             if not isinstance(step, int) or step < 0:
                 raise ConfigError("the parameters line needs step, an integer >= 0")
             if not isinstance(metrics, dict) or not all(
-                    isinstance(v, int | float) and not isinstance(v, bool) for v in metrics.values()):
+                isinstance(v, int | float) and not isinstance(v, bool) for v in metrics.values()
+            ):
                 raise ConfigError("metrics must be a JSON object of numbers")
             marker = request_marker(self.backend.store(model), "log", params.get("request_id"))
             if not marker.exists():  # a retried log is applied once

@@ -17,7 +17,9 @@ from openai._constants import DEFAULT_CONNECTION_LIMITS
 from openai._vendor.httpx_aiohttp.transport import AiohttpTransport
 
 
-def network_error(cause: BaseException, message: str, request: httpx2.Request) -> httpx2.TransportError | None:
+def network_error(
+    cause: BaseException, message: str, request: httpx2.Request
+) -> httpx2.TransportError | None:
     """The httpx error for an aiohttp connection failure that is not a timeout (None if it is)."""
     if isinstance(cause, TimeoutError) or not isinstance(cause, aiohttp.ClientConnectionError):
         return None
@@ -39,7 +41,9 @@ class CorrectedAiohttpTransport(AiohttpTransport):
         try:
             return await super().handle_async_request(request)
         except httpx2.ConnectTimeout as e:
-            better = network_error(e.__cause__, str(e), request) if e.__cause__ is not None else None
+            better = (
+                network_error(e.__cause__, str(e), request) if e.__cause__ is not None else None
+            )
             if better is None:
                 raise
             raise better from e.__cause__

@@ -1,4 +1,5 @@
-"""Step-numbered batches of scenarios over epochs, resumable at any step (ART's ``iterate_dataset``).
+"""Step-numbered batches of scenarios over epochs, resumable at any step (ART's
+``iterate_dataset``).
 
 Each epoch is a fresh deterministic shuffle of the whole dataset, so batch ``k`` is the same in
 every run with the same seed: after a crash, ``iterate_dataset(..., initial_step=await

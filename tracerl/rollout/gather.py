@@ -61,7 +61,9 @@ class GatherContext:
 
     def __post_init__(self) -> None:
         if isinstance(self.max_exceptions, bool) or self.max_exceptions < 0:
-            raise ValueError(f"max_exceptions must be a count >= 0 or a fraction, got {self.max_exceptions!r}")
+            raise ValueError(
+                f"max_exceptions must be a count >= 0 or a fraction, got {self.max_exceptions!r}"
+            )
         if self.show_progress:
             self._bar = tqdm(total=self.total, desc=self.desc, file=sys.stderr, dynamic_ncols=True)
 
@@ -72,7 +74,9 @@ class GatherContext:
             return math.floor(m * self.total)
         return m
 
-    def record(self, trajectory: Trajectory | None = None, exc: RolloutException | None = None) -> None:
+    def record(
+        self, trajectory: Trajectory | None = None, exc: RolloutException | None = None
+    ) -> None:
         self.done += 1
         if trajectory is not None:
             self.reward_sum += trajectory.reward
@@ -90,8 +94,14 @@ class GatherContext:
         """What the progress bar shows: mean reward, mean metrics (the first ``max_metrics``),
         failures, and the completion tokens recorded so far."""
         out = {"reward": f"{self.reward_sum / max(self.rewarded, 1):.3f}"}
-        names = list(self.metric_sums)[:self.max_metrics] if self.max_metrics is not None else self.metric_sums
-        out.update({name: f"{self.metric_sums[name] / self.metric_counts[name]:.3g}" for name in names})
+        names = (
+            list(self.metric_sums)[: self.max_metrics]
+            if self.max_metrics is not None
+            else self.metric_sums
+        )
+        out.update(
+            {name: f"{self.metric_sums[name] / self.metric_counts[name]:.3g}" for name in names}
+        )
         if self.exceptions:
             out["exceptions"] = str(len(self.exceptions))
         if self.completion_tokens:
@@ -103,7 +113,8 @@ class GatherContext:
             first = self.exceptions[0]
             raise TooManyExceptionsError(
                 f"{len(self.exceptions)} of {self.total} rollouts failed, more than max_exceptions="
-                f"{self.max_exceptions!r} allows; first: {first.type}: {first.message}\n{first.traceback}"
+                f"{self.max_exceptions!r} allows; first: {first.type}: {first.message}\n"
+                f"{first.traceback}"
             )
 
     def close(self) -> None:
@@ -232,7 +243,9 @@ async def run_group(pending: PendingTrajectoryGroup, group_index: int | None = N
 PendingTrajectoryGroup.run_rollouts = run_group
 
 
-async def _await_group(group: Any, index: int, after_each: AfterEach | None) -> list[TrajectoryGroup]:
+async def _await_group(
+    group: Any, index: int, after_each: AfterEach | None
+) -> list[TrajectoryGroup]:
     if isinstance(group, PendingTrajectoryGroup):
         result = await run_group(group, group_index=index)
     else:
@@ -269,8 +282,14 @@ async def gather_trajectory_groups(
     del pbar_total_completion_tokens
     groups = list(groups)
     total = sum(len(g) if isinstance(g, PendingTrajectoryGroup) else 1 for g in groups)
-    gather = GatherContext(total=total, max_exceptions=max_exceptions, rollout_timeout=rollout_timeout,
-                           desc=pbar_desc, show_progress=show_progress, max_metrics=max_metrics)
+    gather = GatherContext(
+        total=total,
+        max_exceptions=max_exceptions,
+        rollout_timeout=rollout_timeout,
+        desc=pbar_desc,
+        show_progress=show_progress,
+        max_metrics=max_metrics,
+    )
     token = _gather_ctx.set(gather)
     tasks = [asyncio.create_task(_await_group(g, i, after_each)) for i, g in enumerate(groups)]
     try:

@@ -34,7 +34,8 @@ def _as_groups(items: Iterable[Trajectory | TrajectoryGroup]) -> list[Trajectory
     for i, g in enumerate(items):
         if not isinstance(g, TrajectoryGroup):
             raise InvalidTrajectoryError(
-                f"item {i} is a {type(g).__name__}; pass TrajectoryGroups (or a list of Trajectories). "
+                f"item {i} is a {type(g).__name__}; pass TrajectoryGroups (or a list of "
+                "Trajectories). "
                 "Did you forget to await gather_trajectory_groups(...)?"
             )
     return items
@@ -50,7 +51,8 @@ class Model:
                  inference_base_url: str | None = None, inference_api_key: str | None = None,
                  inference_model_name: str | None = None,
                  _internal_config: dict[str, Any] | None = None) -> None:
-        """``_internal_config`` takes ART's ``art.dev.InternalModelConfig`` dict instead of ``config``."""
+        """``_internal_config`` takes ART's ``art.dev.InternalModelConfig`` dict instead of
+        ``config``."""
         self.name = validate_name("model", name)
         self.project = validate_name("project", project)
         self.entity = entity
@@ -75,7 +77,8 @@ class Model:
                          trainable=self.trainable, config=self.config)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(name={self.name!r}, project={self.project!r}, base_model={self.base_model!r})"
+        return (f"{type(self).__name__}(name={self.name!r}, project={self.project!r}, "
+                f"base_model={self.base_model!r})")
 
     # --- registration and inference --------------------------------------------------------
 
@@ -92,7 +95,9 @@ class Model:
     @property
     def backend(self) -> Backend:
         if self._backend is None:
-            raise NotRegisteredError(f"{self!r} is not registered; call `await model.register(backend)` first")
+            raise NotRegisteredError(
+                f"{self!r} is not registered; call `await model.register(backend)` first"
+            )
         return self._backend
 
     def endpoint(self) -> tuple[str, str]:

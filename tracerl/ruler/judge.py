@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_RUBRIC = """\
 - A trajectory that achieves its goal should always score higher than one that does not.
-- Among trajectories that achieve the goal, more efficient ones (fewer steps, less text) score higher.
+- Among trajectories that achieve the goal, more efficient ones (fewer steps, less text) \
+score higher.
 - If no trajectory achieves the goal, score partial progress toward it.
 - Scores are between 0 and 1 and are comparable within this group only."""
 
@@ -69,12 +70,22 @@ def shared_prefix(histories: list[list[dict[str, Any]]]) -> int:
 def score_schema(ids: list[str]) -> dict[str, Any]:
     return {
         "type": "object",
-        "properties": {"scores": {"type": "array", "minItems": len(ids), "maxItems": len(ids), "items": {
-            "type": "object",
-            "properties": {"trajectory_id": {"type": "string", "enum": ids},
-                           "explanation": {"type": "string"},
-                           "score": {"type": "number", "minimum": 0, "maximum": 1}},
-            "required": ["trajectory_id", "explanation", "score"]}}},
+        "properties": {
+            "scores": {
+                "type": "array",
+                "minItems": len(ids),
+                "maxItems": len(ids),
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "trajectory_id": {"type": "string", "enum": ids},
+                        "explanation": {"type": "string"},
+                        "score": {"type": "number", "minimum": 0, "maximum": 1},
+                    },
+                    "required": ["trajectory_id", "explanation", "score"],
+                },
+            }
+        },
         "required": ["scores"],
     }
 
@@ -112,7 +123,9 @@ def parse_judgement(text: str, ids: list[str]) -> dict[str, TrajectoryScore]:
         if isinstance(score, bool) or not isinstance(score, int | float) or not 0 <= score <= 1:
             raise ValueError(f"score of {tid!r} is {score!r}, not a number in [0, 1]")
         explanation = e.get("explanation")
-        scores[tid] = TrajectoryScore(tid, float(score), explanation if isinstance(explanation, str) else "")
+        scores[tid] = TrajectoryScore(
+            tid, float(score), explanation if isinstance(explanation, str) else ""
+        )
     missing = [i for i in ids if i not in scores]
     if missing:
         raise ValueError(f"the judge did not score {missing}")
@@ -152,14 +165,22 @@ class Ruler:
         self.max_retries, self.timeout_s = max_retries, timeout_s
         self.chunk_size, self.max_prompt_chars = chunk_size, max_prompt_chars
         self.cache_dir = Path(cache_dir) if cache_dir else None
-        self.structured_output, self.temperature, self.max_tokens = structured_output, temperature, max_tokens
+        self.structured_output, self.temperature, self.max_tokens = (
+            structured_output,
+            temperature,
+            max_tokens,
+        )
         self.debug = debug
 
     # --- prompt ------------------------------------------------------------------------
 
     def _messages(self, context: list[dict[str, Any]], items: list[tuple[str, list[dict[str, Any]]]]
                   ) -> list[dict[str, Any]]:
-        parts = ["<shared_context>\n" + json.dumps(context, indent=1) + "\n</shared_context>"] if context else []
+        parts = (
+            ["<shared_context>\n" + json.dumps(context, indent=1) + "\n</shared_context>"]
+            if context
+            else []
+        )
         for tid, msgs in items:
             parts.append(f'<trajectory id="{tid}">\n{json.dumps(msgs, indent=1)}\n</trajectory>')
         parts.append("Score every trajectory id: " + ", ".join(tid for tid, _ in items))
@@ -174,7 +195,9 @@ class Ruler:
         size = len(json.dumps(anchor[1]))
         for item in rest:
             item_size = len(json.dumps(item[1]))
-            if len(current) >= self.chunk_size or (len(current) > 1 and size + item_size > self.max_prompt_chars):
+            if len(current) >= self.chunk_size or (
+                len(current) > 1 and size + item_size > self.max_prompt_chars
+            ):
                 chunks.append(current)
                 current, size = [anchor], len(json.dumps(anchor[1]))
             current.append(item)
@@ -187,7 +210,9 @@ class Ruler:
     def _cache_path(self, messages: list[dict[str, Any]]) -> Path | None:
         if self.cache_dir is None:
             return None
-        key = hashlib.sha256(json.dumps([self.model, messages], sort_keys=True).encode()).hexdigest()
+        key = hashlib.sha256(
+            json.dumps([self.model, messages], sort_keys=True).encode()
+        ).hexdigest()
         return self.cache_dir / f"{key}.json"
 
     async def _ask(self, messages: list[dict[str, Any]], ids: list[str], stats: JudgeStats
@@ -291,8 +316,12 @@ class Ruler:
         if len(items) == 1:
             return {items[0][0]: TrajectoryScore(items[0][0], 1.0, "the only distinct trajectory")}
         chunks = self._chunks(items)
-        results = await asyncio.gather(*[
-            self._ask(self._messages(context, chunk), [tid for tid, _ in chunk], stats) for chunk in chunks])
+        results = await asyncio.gather(
+            *[
+                self._ask(self._messages(context, chunk), [tid for tid, _ in chunk], stats)
+                for chunk in chunks
+            ]
+        )
         if len(results) == 1:
             return results[0]
         anchor = items[0][0]
@@ -311,8 +340,13 @@ def _judged_conversation(t: Trajectory) -> list[dict[str, Any]]:
     (ART's sub-agent conversations) after a marker saying what follows."""
     messages = [_plain(m) for m in t.messages_and_choices]
     for i, history in enumerate(t.additional_histories, start=1):
-        messages.append({"role": "system", "content": f"[additional history {i} of this trajectory: "
-                         "another conversation of the same rollout]"})
+        messages.append(
+            {
+                "role": "system",
+                "content": f"[additional history {i} of this trajectory: "
+                "another conversation of the same rollout]",
+            }
+        )
         messages += [_plain(m) for m in history.messages_and_choices]
     return messages
 
@@ -349,9 +383,16 @@ async def ruler_score_group(group: TrajectoryGroup, judge_model: str = "openai/o
     return await judge.score_group(group, swallow_exceptions=swallow_exceptions)
 
 
-async def ruler(message_lists: list[list[dict[str, Any]]], judge_model: str = "openai/o3",
-                extra_litellm_params: dict[str, Any] | None = None, rubric: str = DEFAULT_RUBRIC,
-                *, client: Any = None, debug: bool = False, **options: Any) -> list[TrajectoryScore]:
+async def ruler(
+    message_lists: list[list[dict[str, Any]]],
+    judge_model: str = "openai/o3",
+    extra_litellm_params: dict[str, Any] | None = None,
+    rubric: str = DEFAULT_RUBRIC,
+    *,
+    client: Any = None,
+    debug: bool = False,
+    **options: Any,
+) -> list[TrajectoryScore]:
     """ART's low-level ``ruler``: score raw message lists against each other. Returns one
     :class:`TrajectoryScore` per list, in order, with ids "1", "2", ... as ART numbers them."""
     if not message_lists:
@@ -369,7 +410,9 @@ class _LiteLLMClient:
         try:
             import litellm
         except ImportError as e:
-            raise RulerError("judging without a client needs LiteLLM: pip install 'tracerl[litellm]'") from e
+            raise RulerError(
+                "judging without a client needs LiteLLM: pip install 'tracerl[litellm]'"
+            ) from e
         self._litellm = litellm
         self._extra = dict(extra_params)
         self.chat = self

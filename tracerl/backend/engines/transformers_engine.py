@@ -131,9 +131,13 @@ class TransformersEngine(Engine):
         try:
             return render_prompt(self.tokenizer, body["messages"], body.get("tools"))
         except Exception as e:
-            raise EngineRequestError(f"could not apply the chat template: {e}", param="messages") from e
+            raise EngineRequestError(
+                f"could not apply the chat template: {e}", param="messages"
+            ) from e
 
-    async def _submit(self, prompt_ids: list[int], body: dict[str, Any]) -> list[tuple[list[int], list[float], str]]:
+    async def _submit(
+        self, prompt_ids: list[int], body: dict[str, Any]
+    ) -> list[tuple[list[int], list[float], str]]:
         if self._queue is None or not await self.healthy():
             raise EngineUnavailableError("the transformers engine is not running")
         if (body.get("response_format") or {}).get("type") in ("json_schema", "json_object") or \
@@ -169,7 +173,10 @@ class TransformersEngine(Engine):
             batch, rest = [first], []
             while not self._queue.empty():
                 job = self._queue.get_nowait()
-                same = job.key == first.key and sum(j.n for j in batch) + job.n <= self.spec.config.max_num_seqs
+                same = (
+                    job.key == first.key
+                    and sum(j.n for j in batch) + job.n <= self.spec.config.max_num_seqs
+                )
                 (batch if same else rest).append(job)
             for job in rest:
                 self._queue.put_nowait(job)
@@ -192,8 +199,12 @@ class TransformersEngine(Engine):
         width = max(len(ids) for _, ids in rows)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         device = next(self.model.parameters()).device
-        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for _, ids in rows], device=device)
-        attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in rows], device=device)
+        input_ids = torch.tensor(
+            [[pad] * (width - len(ids)) + ids for _, ids in rows], device=device
+        )
+        attention = torch.tensor(
+            [[0] * (width - len(ids)) + [1] * len(ids) for _, ids in rows], device=device
+        )
         first = batch[0]
         sample = first.temperature > 0
         # neutralise generation_config defaults the trainer cannot reproduce (penalties, top-k)
@@ -245,13 +256,17 @@ class TransformersEngine(Engine):
         return ids
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode([i for i in ids if i not in self._eos_ids()], skip_special_tokens=False)
+        return self.tokenizer.decode(
+            [i for i in ids if i not in self._eos_ids()], skip_special_tokens=False
+        )
 
     def _logprob_content(self, ids: list[int], lps: list[float]) -> list[dict[str, Any]]:
         out = []
         for token_id, lp in zip(ids, lps, strict=True):
             text = self.tokenizer.decode([token_id])
-            out.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
+            out.append(
+                {"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
+            )
         return out
 
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -284,9 +299,19 @@ class TransformersEngine(Engine):
         full = await self.chat(body)
         base = {"id": full["id"], "object": "chat.completion.chunk", "created": full["created"],
                 "model": full["model"]}
-        yield {**base, "choices": [{"index": c["index"], "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None} for c in full["choices"]],
-               "prompt_token_ids": full["prompt_token_ids"]}
+        yield {
+            **base,
+            "choices": [
+                {
+                    "index": c["index"],
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                for c in full["choices"]
+            ],
+            "prompt_token_ids": full["prompt_token_ids"],
+        }
         for choice in full["choices"]:
             ids, content = choice["token_ids"], choice["logprobs"]["content"]
             eos = self._eos_ids()
@@ -296,10 +321,18 @@ class TransformersEngine(Engine):
                 if last and choice["message"].get("tool_calls"):
                     delta = {"content": None, "tool_calls": [
                         {"index": j, **tc} for j, tc in enumerate(choice["message"]["tool_calls"])]}
-                yield {**base, "choices": [{
-                    "index": choice["index"], "delta": delta, "logprobs": {"content": [lp]},
-                    "finish_reason": choice["finish_reason"] if last else None, "token_ids": [token_id],
-                }]}
+                yield {
+                    **base,
+                    "choices": [
+                        {
+                            "index": choice["index"],
+                            "delta": delta,
+                            "logprobs": {"content": [lp]},
+                            "finish_reason": choice["finish_reason"] if last else None,
+                            "token_ids": [token_id],
+                        }
+                    ],
+                }
         if (body.get("stream_options") or {}).get("include_usage"):
             yield {**base, "choices": [], "usage": full["usage"]}
 
@@ -310,25 +343,42 @@ class TransformersEngine(Engine):
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             prompt_ids = list(prompt)
         else:
-            raise EngineRequestError("prompt must be a string or a list of token ids", param="prompt")
+            raise EngineRequestError(
+                "prompt must be a string or a list of token ids", param="prompt"
+            )
         vocab = self.model.config.vocab_size
         if any(t < 0 or t >= vocab for t in prompt_ids):
             raise EngineRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
         results = await self._submit(prompt_ids, body)
         choices = []
         for index, (ids, lps, finish) in enumerate(results):
-            choices.append({
-                "index": index, "text": self._decode(ids), "finish_reason": finish,
-                "logprobs": {"tokens": [self.tokenizer.decode([t]) for t in ids], "token_logprobs": lps,
-                             "top_logprobs": None, "text_offset": None},
-                "token_ids": ids, "prompt_token_ids": prompt_ids,
-            })
+            choices.append(
+                {
+                    "index": index,
+                    "text": self._decode(ids),
+                    "finish_reason": finish,
+                    "logprobs": {
+                        "tokens": [self.tokenizer.decode([t]) for t in ids],
+                        "token_logprobs": lps,
+                        "top_logprobs": None,
+                        "text_offset": None,
+                    },
+                    "token_ids": ids,
+                    "prompt_token_ids": prompt_ids,
+                }
+            )
         completion_tokens = sum(len(r[0]) for r in results)
         return {
-            "id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()),
-            "model": body["model"], "choices": choices,
-            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
-                      "total_tokens": len(prompt_ids) + completion_tokens},
+            "id": "cmpl-" + uuid.uuid4().hex,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": body["model"],
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": completion_tokens,
+                "total_tokens": len(prompt_ids) + completion_tokens,
+            },
         }
 
 

@@ -170,9 +170,15 @@ class VLLMEngine(Engine):
             raise EngineError("sleep_during_training needs vLLM on CUDA; vLLM's sleep mode does "
                               "not exist on CPU")
         self.port = free_port()
-        env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
-               "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1",
-               "VLLM_CONFIGURE_LOGGING": "1"}
+        env = {
+            **os.environ,
+            "VLLM_HOST_IP": "127.0.0.1",
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+            "VLLM_NO_USAGE_STATS": "1",
+            "HF_HUB_OFFLINE": "1",
+            "DO_NOT_TRACK": "1",
+            "VLLM_CONFIGURE_LOGGING": "1",
+        }
         if self.sleeps:
             env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes /sleep and /wake_up (loopback only)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -187,8 +193,10 @@ class VLLMEngine(Engine):
         deadline = loop.time() + STARTUP_TIMEOUT_S
         while True:
             if self.process.poll() is not None:
-                raise EngineError(f"vLLM exited with code {self.process.returncode} while starting:\n"
-                                  f"{self.log_tail()}")
+                raise EngineError(
+                    f"vLLM exited with code {self.process.returncode} while starting:\n"
+                    f"{self.log_tail()}"
+                )
             if await self.healthy():
                 break
             if loop.time() > deadline:

@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor
+) -> torch.Tensor:
     """Log-probabilities of ``targets`` under ``softmax(logits / T)``, token by token.
 
     ``logits`` [B, L, V] predict ``targets`` [B, L]; ``temperatures`` [B, L]. Uses the fused
@@ -46,7 +48,10 @@ def grpo_per_token_loss(
     ratio = torch.exp(logp - old_logp)
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + eps_high)
     loss = -torch.min(ratio * adv, clipped * adv)
-    parts = {"ratio": ratio.detach(), "clipped": ((ratio < 1 - epsilon) | (ratio > 1 + eps_high)).detach()}
+    parts = {
+        "ratio": ratio.detach(),
+        "clipped": ((ratio < 1 - epsilon) | (ratio > 1 + eps_high)).detach(),
+    }
     if beta > 0:
         if ref_logp is None:
             raise ValueError("beta > 0 needs reference logprobs")
@@ -59,7 +64,9 @@ def grpo_per_token_loss(
     return loss, parts
 
 
-def reduce_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: str, normalizer: float) -> torch.Tensor:
+def reduce_loss(
+    per_token: torch.Tensor, mask: torch.Tensor, mode: str, normalizer: float
+) -> torch.Tensor:
     """Sum a micro-batch's loss so that summing over micro-batches gives the step's mean.
 
     ``token``: sum over trained tokens / ``normalizer`` (all trained tokens of the step).

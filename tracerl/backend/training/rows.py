@@ -103,7 +103,10 @@ def rows_from_calls(calls: list[LLMCall], stats: RowStats) -> list[Row]:
             rows.extend(_start_row(call, i) for i in range(len(call.completions)))
             current = None
             continue
-        if current is not None and call.prompt_token_ids[:len(current.input_ids)] == current.input_ids:
+        if (
+            current is not None
+            and call.prompt_token_ids[: len(current.input_ids)] == current.input_ids
+        ):
             _extend_row(current, call)
             stats.merged_calls += 1
             continue
@@ -117,8 +120,12 @@ def rows_from_calls(calls: list[LLMCall], stats: RowStats) -> list[Row]:
 Renderer = Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], list[int]]
 
 
-def rows_from_messages(conversation: Conversation, render: Renderer, tokenize: Callable[[str], list[int]],
-                       eos_id: int | None) -> list[Row]:
+def rows_from_messages(
+    conversation: Conversation,
+    render: Renderer,
+    tokenize: Callable[[str], list[int]],
+    eos_id: int | None,
+) -> list[Row]:
     """Fallback: render each Choice's conversation with the chat template (flagged)."""
     rows = []
     history: list[dict[str, Any]] = []
@@ -132,13 +139,21 @@ def rows_from_messages(conversation: Conversation, render: Renderer, tokenize: C
                 if eos_id is not None and item.finish_reason == "stop":
                     completion.append(eos_id)
             logprobs = [NAN] * len(completion)
-            if item.logprobs is not None and item.logprobs.content and len(item.logprobs.content) == len(completion):
+            if (
+                item.logprobs is not None
+                and item.logprobs.content
+                and len(item.logprobs.content) == len(completion)
+            ):
                 logprobs = [e.logprob for e in item.logprobs.content]
-            rows.append(Row(
-                input_ids=prompt + completion, loss_mask=[False] * len(prompt) + [True] * len(completion),
-                old_logprobs=[NAN] * len(prompt) + logprobs, temperatures=[1.0] * (len(prompt) + len(completion)),
-                rendered=True,
-            ))
+            rows.append(
+                Row(
+                    input_ids=prompt + completion,
+                    loss_mask=[False] * len(prompt) + [True] * len(completion),
+                    old_logprobs=[NAN] * len(prompt) + logprobs,
+                    temperatures=[1.0] * (len(prompt) + len(completion)),
+                    rendered=True,
+                )
+            )
             history.append(item.message.model_dump(exclude_none=True))
         else:
             history.append(item)

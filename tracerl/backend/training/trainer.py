@@ -70,13 +70,19 @@ class Trainer:
         apply_chat_template_override(self.tokenizer, chat_template)
         self.lora = lora
         self.backend = "unsloth" if unsloth_usable() and self.device.type == "cuda" else "peft"
-        self.model = self._load_unsloth(model_path) if self.backend == "unsloth" else self._load_peft(model_path)
+        self.model = (
+            self._load_unsloth(model_path)
+            if self.backend == "unsloth"
+            else self._load_peft(model_path)
+        )
         if adapter_path is not None:
             self._load_adapter_weights(adapter_path)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=1e-5, betas=(0.9, 0.99))
         if adapter_path is not None and (adapter_path / OPTIMIZER_FILE).exists():
-            self.optimizer.load_state_dict(torch.load(adapter_path / OPTIMIZER_FILE, map_location=self.device))
+            self.optimizer.load_state_dict(
+                torch.load(adapter_path / OPTIMIZER_FILE, map_location=self.device)
+            )
         self.steps_done = 0
 
     # --- loading ---------------------------------------------------------------------------
@@ -84,8 +90,13 @@ class Trainer:
     def _peft_config(self) -> Any:
         from peft import LoraConfig as PeftLoraConfig
 
-        return PeftLoraConfig(r=self.lora.r, lora_alpha=self.lora.alpha, lora_dropout=self.lora.dropout,
-                              target_modules=list(self.lora.target_modules), task_type="CAUSAL_LM")
+        return PeftLoraConfig(
+            r=self.lora.r,
+            lora_alpha=self.lora.alpha,
+            lora_dropout=self.lora.dropout,
+            target_modules=list(self.lora.target_modules),
+            task_type="CAUSAL_LM",
+        )
 
     def _load_peft(self, model_path: Path) -> Any:
         from peft import get_peft_model
@@ -95,7 +106,9 @@ class Trainer:
         return get_peft_model(base, self._peft_config())
 
     def _load_unsloth(self, model_path: Path) -> Any:  # pragma: no cover - GPU only
-        os.environ.setdefault("UNSLOTH_RETURN_LOGITS", "1")  # the loss needs logits, not Unsloth's CE
+        os.environ.setdefault(
+            "UNSLOTH_RETURN_LOGITS", "1"
+        )  # the loss needs logits, not Unsloth's CE
         from transformers import AutoConfig
         from unsloth import FastLanguageModel
 
@@ -103,7 +116,8 @@ class Trainer:
         # trained policy would no longer be the served one
         max_len = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", 8192)
         model, _ = FastLanguageModel.from_pretrained(
-            model_name=str(model_path), dtype=self.dtype, load_in_4bit=False, max_seq_length=max_len)
+            model_name=str(model_path), dtype=self.dtype, load_in_4bit=False, max_seq_length=max_len
+        )
         return FastLanguageModel.get_peft_model(
             model, r=self.lora.r, lora_alpha=self.lora.alpha, lora_dropout=self.lora.dropout,
             target_modules=list(self.lora.target_modules), use_gradient_checkpointing=False)
@@ -123,7 +137,9 @@ class Trainer:
 
     # --- rendering (rows of trajectories without token records) ---------------------------
 
-    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+    def render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> list[int]:
         """Prompt token ids of ``messages`` under the served chat template."""
         return render_prompt(self.tokenizer, messages, tools)
 
@@ -161,7 +177,9 @@ class Trainer:
             # prompt positions hold NaN (no logprob); zero them, as NaN * 0 would poison the sum
             "old": torch.nan_to_num(old, nan=0.0),
             "temps": padded([r.temperatures for r in batch], 1.0, np.float32)[:, start:],
-            "adv": torch.tensor([r.advantage for r in batch], dtype=torch.float32, device=self.device),
+            "adv": torch.tensor(
+                [r.advantage for r in batch], dtype=torch.float32, device=self.device
+            ),
         }
 
     def _logits(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -172,8 +190,12 @@ class Trainer:
         run as an fp32 GEMM with casts around it (measured: ~30% of a 0.5B step on an H200).
         """
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.device.type == "cuda"):
-            out = self.model(input_ids=t["input_ids"], attention_mask=t["attention_mask"],
-                             logits_to_keep=int(t["keep"]), use_cache=False)  # no KV cache in training
+            out = self.model(
+                input_ids=t["input_ids"],
+                attention_mask=t["attention_mask"],
+                logits_to_keep=int(t["keep"]),
+                use_cache=False,
+            )  # no KV cache in training
         return out.logits[:, :-1]
 
     def optimize(self, rows: list[Row], config: TrainConfig) -> dict[str, float]:
@@ -217,10 +239,17 @@ class Trainer:
         self.steps_done += 1
         n = float(trained_tokens)
         metrics = dict(
-            loss=sums["loss"], ratio=sums["ratio"] / n, clip_fraction=sums["clip_fraction"] / n,
-            kl=sums["kl"] / n, entropy=sums["entropy"] / n, logprob_mismatch=sums["logprob_mismatch"] / n,
-            grad_norm=grad_norm, trained_tokens=n, tokens=float(sum(len(r) for r in rows)),
-            micro_batches=float(len(batches)), learning_rate=config.learning_rate,
+            loss=sums["loss"],
+            ratio=sums["ratio"] / n,
+            clip_fraction=sums["clip_fraction"] / n,
+            kl=sums["kl"] / n,
+            entropy=sums["entropy"] / n,
+            logprob_mismatch=sums["logprob_mismatch"] / n,
+            grad_norm=grad_norm,
+            trained_tokens=n,
+            tokens=float(sum(len(r) for r in rows)),
+            micro_batches=float(len(batches)),
+            learning_rate=config.learning_rate,
         )
         if not math.isfinite(metrics["loss"]):
             raise FloatingPointError(f"non-finite loss {metrics['loss']} in a training step")
