@@ -6,17 +6,22 @@ from pathlib import Path
 from typing import Any
 
 TEMPLATES_DIR = Path(__file__).parent / "templates"
-BUILTIN_TEMPLATES = {p.stem: p for p in TEMPLATES_DIR.glob("*.jinja")}
+
+
+def builtin_templates() -> dict[str, Path]:
+    """The chat templates shipped with tracerl, by name (``chatml-tools``...)."""
+    return {p.stem: p for p in TEMPLATES_DIR.glob("*.jinja")}
 
 
 def chat_template_path(name_or_path: str) -> Path:
     """The Jinja file of a built-in template name or of a path given by the user."""
-    if name_or_path in BUILTIN_TEMPLATES:
-        return BUILTIN_TEMPLATES[name_or_path]
+    builtin = builtin_templates()
+    if name_or_path in builtin:
+        return builtin[name_or_path]
     path = Path(name_or_path).expanduser()
     if not path.is_file():
         raise ValueError(f"chat_template {name_or_path!r} is neither a built-in template "
-                         f"({', '.join(sorted(BUILTIN_TEMPLATES))}) nor a file")
+                         f"({', '.join(sorted(builtin))}) nor a file")
     return path
 
 

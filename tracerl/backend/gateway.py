@@ -20,8 +20,20 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..core.context import MAX_TAGS_BYTES, ROLLOUT_HEADER, TAGS_HEADER
-from ..core.engine import Engine, EngineError, EngineRequestError
-from ..core.errors import ConfigError, RequestError, TracerlError, error_type
+from ..core.engine import (
+    Engine,
+    EngineError,
+    EngineRequestError,
+    EngineTimeoutError,
+    EngineUnavailableError,
+)
+from ..core.errors import (
+    AuthenticationError,
+    ConfigError,
+    RequestError,
+    TracerlError,
+    error_type,
+)
 from ..core.lifecycle import llm_call_recorded
 from ..core.storage import ModelStore, validate_name
 from .recorder import (
@@ -208,11 +220,8 @@ class Gateway:
         auth = request.headers.get("authorization", "")
         token = auth[7:] if auth.lower().startswith("bearer ") else ""
         if not hmac.compare_digest(token.encode(), self.api_key.encode()):
-            return openai_error(
-                401,
-                "Incorrect or missing API key (send Authorization: Bearer <key>)",
-                code="invalid_api_key",
-            )
+            return error_response(AuthenticationError(
+                "Incorrect or missing API key (send Authorization: Bearer <key>)"))
         return None
 
     def _build_app(self) -> FastAPI:
@@ -282,8 +291,8 @@ class Gateway:
         timeout = served.engine.spec.config.request_timeout_s
         if body.get("stream"):
             if endpoint != "chat.completions":
-                return openai_error(400, "streaming is supported for chat completions only",
-                                    param="stream")
+                return error_response(EngineRequestError(
+                    "streaming is supported for chat completions only", param="stream"))
             return await self._stream(served, engine_body, body, who, step, timeout)
 
         await served.swap.acquire_read()
@@ -297,12 +306,12 @@ class Gateway:
             return error_response(e)
         except TimeoutError:  # the gateway's deadline, or the engine's transport
             self._schedule_restart(served.engine)
-            return openai_error(504, f"the engine did not answer within {timeout} s",
-                                code="engine_timeout")
+            return error_response(EngineTimeoutError(
+                f"the engine did not answer within {timeout} s"))
         except EngineError as e:
             self._schedule_restart(served.engine)
-            return openai_error(503, "the inference engine is unavailable and is being "
-                                f"restarted: {e}", code=e.code)
+            return error_response(EngineUnavailableError(
+                f"the inference engine is unavailable and is being restarted: {e}"))
         finally:
             await served.swap.release_read()
         response["model"] = body["model"]
@@ -355,7 +364,8 @@ class Gateway:
         except (EngineError, TimeoutError) as e:
             await served.swap.release_read()
             self._schedule_restart(served.engine)
-            return openai_error(503, f"the inference engine is unavailable: {e}")
+            return error_response(EngineUnavailableError(
+                f"the inference engine is unavailable: {e}"))
 
         async def events() -> AsyncIterator[bytes]:
             assembler = StreamAssembler()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..backend.chat_template import BUILTIN_TEMPLATES
+from ..backend.chat_template import builtin_templates
 from ..backend.gateway import error_response
 from ..backend.request_body import parse_json_object, read_limited_body
 from ..backend.weights import SMOLLM2_ALIASES
@@ -89,9 +89,10 @@ class ControlServer:
         """A client's config must not reach the server's filesystem: chat templates by built-in
         name only, and vLLM flags (which can name paths) only where the operator allows them."""
         template = config.engine.chat_template
-        if template is not None and template not in BUILTIN_TEMPLATES:
+        builtin = builtin_templates()
+        if template is not None and template not in builtin:
             raise ConfigError(f"chat_template {template!r}: remote clients may name a built-in "
-                              f"template ({', '.join(sorted(BUILTIN_TEMPLATES))}), not a file on "
+                              f"template ({', '.join(sorted(builtin))}), not a file on "
                               "the server")
         if config.engine.extra_args and not self.allow_engine_args:
             raise ConfigError("engine extra_args (vLLM flags, which can name server paths) are "

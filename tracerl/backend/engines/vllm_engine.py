@@ -31,7 +31,10 @@ from ...core.net import free_port, stop_process_group
 from ..chat_template import chat_template_path
 from .json_codec import loads
 
-STARTUP_TIMEOUT_S = float(os.environ.get("TRACERL_VLLM_STARTUP_TIMEOUT", "600"))
+
+def startup_timeout_s() -> float:
+    """How long vLLM may take to start (``TRACERL_VLLM_STARTUP_TIMEOUT``, default 600 s)."""
+    return float(os.environ.get("TRACERL_VLLM_STARTUP_TIMEOUT", "600"))
 
 
 def vllm_python() -> str | None:
@@ -190,7 +193,8 @@ class VLLMEngine(Engine):
             timeout=aiohttp.ClientTimeout(total=None, connect=5,
                                           sock_read=self.spec.config.request_timeout_s))
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + STARTUP_TIMEOUT_S
+        timeout_s = startup_timeout_s()
+        deadline = loop.time() + timeout_s
         while True:
             if self.process.poll() is not None:
                 raise EngineError(
@@ -201,7 +205,7 @@ class VLLMEngine(Engine):
                 break
             if loop.time() > deadline:
                 await self.stop()
-                raise EngineError(f"vLLM did not become healthy within {STARTUP_TIMEOUT_S:.0f} s:\n"
+                raise EngineError(f"vLLM did not become healthy within {timeout_s:.0f} s:\n"
                                   f"{self.log_tail()}")
             await asyncio.sleep(0.5)
         for name, path in list(self._adapters.items()):
