@@ -9,9 +9,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no internet here: no fetch retries
 
+import asyncio
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+
+async def until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    """Poll ``condition`` (state another thread or process changes) until it holds; fail
+    after ``timeout_s`` naming ``what`` was awaited."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {timeout_s} s for {what}"
+        await asyncio.sleep(0.01)
 
 
 @pytest.fixture(scope="session")
@@ -50,7 +62,9 @@ def make_random_lora(base_path: Path, out: Path, seed: int = 1, r: int = 8) -> P
 async def tf_backend(tmp_path_factory):
     import tracerl
 
-    backend = tracerl.LocalBackend(path=tmp_path_factory.mktemp("tf-backend"), engine="transformers")
+    backend = tracerl.LocalBackend(
+        path=tmp_path_factory.mktemp("tf-backend"), engine="transformers"
+    )
     model = tracerl.TrainableModel(name="gw", project="tests", base_model="smollm2",
                                    config=tracerl.ModelConfig(engine=tracerl.EngineConfig(max_model_len=256)))
     await model.register(backend)
@@ -64,8 +78,16 @@ async def agent_model(tf_backend):
     import tracerl
 
     backend, _ = tf_backend
-    model = tracerl.TrainableModel(name="agent", project="tests", base_model="smollm2", config=tracerl.ModelConfig(
-        engine=tracerl.EngineConfig(max_model_len=2048, chat_template="chatml-tools", tool_call_parser="hermes")))
+    model = tracerl.TrainableModel(
+        name="agent",
+        project="tests",
+        base_model="smollm2",
+        config=tracerl.ModelConfig(
+            engine=tracerl.EngineConfig(
+                max_model_len=2048, chat_template="chatml-tools", tool_call_parser="hermes"
+            )
+        ),
+    )
     await model.register(backend)
     return model
 
@@ -87,5 +109,7 @@ async def check_streamed_call_is_recorded(model, messages, max_tokens: int) -> N
 def render_ids(tokenizer, messages, tools=None) -> list[int]:
     """A fresh chat-template tokenization of ``messages`` with the generation prompt: the tests'
     own oracle, written independently of tracerl.backend.chat_template on purpose."""
-    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False
+    )
     return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -18,7 +18,11 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         n = int(self.headers.get("Content-Length") or 0)
         body = json.loads(self.rfile.read(n) or b"{}")
-        seen = {"path": self.path, "header": self.headers.get("x-rollout-id"), "model": body.get("model")}
+        seen = {
+            "path": self.path,
+            "header": self.headers.get("x-rollout-id"),
+            "model": body.get("model"),
+        }
         data = json.dumps({
             "id": "x", "object": "chat.completion", "created": 0, "model": body.get("model", "m"),
             "choices": [{"index": 0, "finish_reason": "stop",

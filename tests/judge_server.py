@@ -39,18 +39,35 @@ class JudgeServer:
                     time.sleep(3)
                     answer = "{}"
                 if answer == "HTTP400":
-                    err = json.dumps({"error": {"message": "response_format is not supported"}}).encode()
+                    err = json.dumps(
+                        {"error": {"message": "response_format is not supported"}}
+                    ).encode()
                     self.send_response(400)
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(err)))
                     self.end_headers()
                     self.wfile.write(err)
                     return
-                data = json.dumps({
-                    "id": "j", "object": "chat.completion", "created": 0, "model": body["model"],
-                    "choices": [{"index": 0, "finish_reason": "stop",
-                                 "message": {"role": "assistant", "content": answer}}],
-                    "usage": {"prompt_tokens": 100, "completion_tokens": 20, "total_tokens": 120}}).encode()
+                data = json.dumps(
+                    {
+                        "id": "j",
+                        "object": "chat.completion",
+                        "created": 0,
+                        "model": body["model"],
+                        "choices": [
+                            {
+                                "index": 0,
+                                "finish_reason": "stop",
+                                "message": {"role": "assistant", "content": answer},
+                            }
+                        ],
+                        "usage": {
+                            "prompt_tokens": 100,
+                            "completion_tokens": 20,
+                            "total_tokens": 120,
+                        },
+                    }
+                ).encode()
                 try:
                     self.send_response(200)
                     self.send_header("Content-Type", "application/json")
@@ -76,6 +93,12 @@ class JudgeServer:
 def good(score_of: Callable[[str, int], float]) -> Behaviour:
     """Valid answers, listing ids in reverse order (so matching by position would be wrong)."""
     def answer(_request, ids):
-        return json.dumps({"scores": [{"trajectory_id": tid, "explanation": "ok", "score": score_of(tid, k)}
-                                      for k, tid in reversed(list(enumerate(ids)))]})
+        return json.dumps(
+            {
+                "scores": [
+                    {"trajectory_id": tid, "explanation": "ok", "score": score_of(tid, k)}
+                    for k, tid in reversed(list(enumerate(ids)))
+                ]
+            }
+        )
     return answer

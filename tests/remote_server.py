@@ -37,8 +37,20 @@ class ServerProcess:
     def start(self, *, extra_args: tuple[str, ...] = (), timeout: float = 240) -> ServerProcess:
         self.path.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "TRACERL_API_KEY": API_KEY, **self.env}
-        cmd = [sys.executable, "-m", "tracerl", "serve", "--port", str(self.port),
-               "--path", str(self.path / "data"), "--engine", "transformers", *self.args, *extra_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tracerl",
+            "serve",
+            "--port",
+            str(self.port),
+            "--path",
+            str(self.path / "data"),
+            "--engine",
+            "transformers",
+            *self.args,
+            *extra_args,
+        ]
         log = open(self.log, "a")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                                      start_new_session=True)
@@ -46,7 +58,8 @@ class ServerProcess:
         mark = self.log.read_text().count("tracerl serve: ready")
         while self.log.read_text().count("tracerl serve: ready") == mark:
             if self.proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"server did not start:\n{self.log.read_text()[-4000:]}")
+                raise RuntimeError(f"tracerl serve did not log 'ready' within {timeout} s:\n"
+                                   f"{self.log.read_text()[-4000:]}")
             time.sleep(0.2)
         return self
 

@@ -21,7 +21,9 @@ async def test_recorded_prompt_ids_equal_fresh_tokenization(tf_backend, tokenize
     comp = call.completions[0]
     assert 1 <= len(comp.token_ids) <= 6
     assert len(comp.logprobs) == len(comp.token_ids) and all(lp <= 0 for lp in comp.logprobs)
-    assert tokenizer.decode(comp.token_ids, skip_special_tokens=True) == r.choices[0].message.content
+    assert (
+        tokenizer.decode(comp.token_ids, skip_special_tokens=True) == r.choices[0].message.content
+    )
     assert call.adapter_step == 0 and call.temperature == 0.8 and call.rollout_id == ro.rollout_id
     assert call.request["messages"] == MSGS
     # the caller asked for neither logprobs nor token ids, so it got none
@@ -80,13 +82,24 @@ async def test_100_concurrent_rollouts_get_exactly_their_own_calls(tf_backend):
             assert call.request["messages"][0]["content"] == f"rollout {i} call {k}"
 
 
-@pytest.mark.parametrize("payload, status, needle", [
-    (b"{not json", 400, "not valid JSON"),
-    (b'{"model": "nope", "messages": [{"role": "user", "content": "x"}]}', 404, "does not exist"),
-    (b'{"model": "gw", "messages": []}', 400, "non-empty list"),
-    (b'{"model": "gw@7", "messages": [{"role": "user", "content": "x"}]}', 404, "not the current step"),
-    (b'[1, 2]', 400, "JSON object"),
-])
+@pytest.mark.parametrize(
+    "payload, status, needle",
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (
+            b'{"model": "nope", "messages": [{"role": "user", "content": "x"}]}',
+            404,
+            "does not exist",
+        ),
+        (b'{"model": "gw", "messages": []}', 400, "non-empty list"),
+        (
+            b'{"model": "gw@7", "messages": [{"role": "user", "content": "x"}]}',
+            404,
+            "not the current step",
+        ),
+        (b"[1, 2]", 400, "JSON object"),
+    ],
+)
 async def test_bad_requests_get_openai_style_errors(tf_backend, payload, status, needle):
     _, model = tf_backend
     async with httpx2.AsyncClient(base_url=model.inference_base_url, timeout=120) as http:
@@ -130,7 +143,9 @@ async def test_lora_swap_changes_outputs(tf_backend, smollm2_path, tmp_path):
     try:
         after = await greedy_logprobs()
         with tracerl.rollout_scope() as ro:
-            await client.chat.completions.create(model=f"{model.name}@1", messages=MSGS, max_tokens=1)
+            await client.chat.completions.create(
+                model=f"{model.name}@1", messages=MSGS, max_tokens=1
+            )
         (call,) = await model.fetch_calls(ro.rollout_id)
         assert call.adapter_step == 1
     finally:

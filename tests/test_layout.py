@@ -131,10 +131,19 @@ def test_the_graph_reader_sees_lazy_and_relative_imports(tmp_path: Path) -> None
         "tracerl.core.b", "tracerl.rollout.c"}
 
 
-@pytest.mark.parametrize("module", ["tracerl", "tracerl.remote.client", "tracerl.rollout.model"])
-def test_client_side_modules_load_no_backend_dependency(module: str) -> None:
+CLIENT_SIDE = {
+    "package": "import tracerl",
+    "remote-client": "import tracerl.remote.client",
+    "model-handle": "import tracerl.rollout.model",
+    # the plugin manager loads every built-in plugin, the backends' modules included
+    "plugin-manager": "from tracerl.core.plugins import get_plugin_manager; get_plugin_manager()",
+}
+
+
+@pytest.mark.parametrize("statement", CLIENT_SIDE.values(), ids=list(CLIENT_SIDE))
+def test_client_side_code_loads_no_backend_dependency(statement: str) -> None:
     """A rollout machine or a remote client needs neither torch nor a web framework."""
-    code = (f"import sys, {module}\n"
+    code = (f"import sys\n{statement}\n"
             "heavy = sorted({'torch', 'fastapi', 'transformers', 'uvicorn'} & set(sys.modules))\n"
             "print(','.join(heavy))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

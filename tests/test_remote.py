@@ -34,7 +34,9 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 async def remote_model(server):
     backend = tracerl.RemoteBackend(server.url, api_key=API_KEY)
-    model = tracerl.TrainableModel(name="remote", project="tests", base_model="smollm2", config=CONFIG)
+    model = tracerl.TrainableModel(
+        name="remote", project="tests", base_model="smollm2", config=CONFIG
+    )
     await model.register(backend)
     yield model
     await backend.close()
@@ -76,7 +78,10 @@ async def test_train_log_history_and_retention_over_http(server, remote_model):
     assert val["accuracy"] == 0.5
     history = await model.history()
     assert [(h["split"], h["step"]) for h in history] == [("train", 1), ("val", 1)]
-    assert history[1]["accuracy"] == 0.5 and len(read_groups_jsonl(store.trajectories_path("val", 1))) == 1
+    assert (
+        history[1]["accuracy"] == 0.5
+        and len(read_groups_jsonl(store.trajectories_path("val", 1))) == 1
+    )
 
     await model.train(groups, config=tracerl.TrainConfig(learning_rate=1e-3))
     assert await model.delete_checkpoints(keep_last=1) == []  # step 1 has the best val/reward
@@ -100,65 +105,116 @@ async def test_500_concurrent_rollout_calls_through_the_remote_gateway(remote_mo
         assert call.rollout_id == t.rollout_id
 
 
-def test_requests_without_the_key_or_with_bad_input_are_rejected(server):
-    url = server.url
-    with httpx2.Client(base_url=url, timeout=30) as http:
-        assert http.get("/health").json() == {"status": "ok"}  # nothing about models
-        for method, path in [("GET", "/v1/models"), ("POST", "/v1/chat/completions"),
-                             ("GET", "/api/v1/status"), ("POST", "/api/v1/models"),
-                             ("GET", "/api/v1/models/tests/remote/history")]:
-            for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": API_KEY}):
-                r = http.request(method, path, headers=headers)
-                assert r.status_code == 401, (method, path, headers, r.text)
-                assert r.json()["error"]["code"] == "invalid_api_key"
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx2.Client(base_url=server.url, timeout=30) as client:
+        yield client
 
-        def post(path, **kw):
-            return http.post(path, headers={**AUTH, **kw.pop("headers", {})}, **kw)
 
-        bad_registrations = [
-            ({"name": "../evil", "project": "tests", "base_model": "smollm2"}, "invalid model name"),
-            ({"name": "ok", "project": "a/b", "base_model": "smollm2"}, "invalid project name"),
-            ({"name": "ok", "project": "tests", "base_model": "/etc"}, "not offered by this server"),
-            ({"name": "ok", "project": "tests", "base_model": "smollm2", "config": {"lora": {"r": -1}}},
-             "config.lora.r"),
-            ({"name": "ok", "project": "tests", "base_model": "smollm2", "shell": "rm"},
-             "unknown model definition fields"),
-            ({"name": "ok", "project": "tests", "base_model": "smollm2",
-              "config": {"engine": {"chat_template": "/etc/passwd"}}}, "not a file on the server"),
-            ({"name": "ok", "project": "tests", "base_model": "smollm2",
-              "config": {"engine": {"extra_args": ["--chat-template", "/etc/passwd"]}}}, "--allow-engine-args"),
-        ]
-        for body, message in bad_registrations:
-            r = post("/api/v1/models", json=body)
-            assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
-        r = post("/api/v1/models", content=b"{not json")
-        assert r.status_code == 400 and "not valid JSON" in r.text
+def test_health_answers_without_a_key_and_tells_nothing_about_models(http):
+    assert http.get("/health").json() == {"status": "ok"}
 
-        for path in ["/api/v1/models/tests/..%2F..%2Fetc/history", "/api/v1/models/../../etc/history",
-                     "/api/v1/models/tests/remote/calls/..%2Fx", "/api/v1/models/tests/remote/calls/.hidden"]:
-            r = http.get(path, headers=AUTH)
-            assert r.status_code in (400, 404), (path, r.text)
-        assert not list((server.path / "data").glob("**/etc*")) and not (server.path / "etc").exists()
 
-        r = http.get("/api/v1/models/tests/nobody/history", headers=AUTH)
-        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_registered"
+ROUTES = [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("GET", "/api/v1/status"),
+          ("POST", "/api/v1/models"), ("GET", "/api/v1/models/tests/remote/history")]
+BAD_KEYS = {"none": {}, "wrong": {"authorization": "Bearer wrong"},
+            "not-bearer": {"authorization": API_KEY}}
 
-        train = "/api/v1/models/tests/remote/train"
-        r = post(train, content=b'{"request_id": "r1"}\n{"trajectories": "nope"}\n')
-        assert r.status_code == 400 and "upload:2" in r.json()["error"]["message"]
-        r = post(train, content=b'{"request_id": "../x"}\n' + _group_line())
-        assert r.status_code == 400 and "invalid request id" in r.text
-        r = post(train, content=b'{"request_id": "r2", "config": {"learning_rate": -1}}\n' + _group_line())
-        assert r.status_code == 400 and "invalid train config" in r.text
-        big = b'{"request_id": "r3"}\n' + b" " * (1024 * 1024 + 10)
-        assert post(train, content=big).status_code == 413
-        bomb = gzip.compress(big)  # 1 KiB on the wire, over the limit once inflated
-        r = post(train, content=bomb, headers={"content-encoding": "gzip"})
-        assert r.status_code == 413 and "decompressed" in r.text
-        r = post(train, content=b"x", headers={"content-encoding": "br"})
-        assert r.status_code == 400 and "not supported" in r.text
-        r = post("/v1/chat/completions", content=b" " * (33 * 1024 * 1024))
-        assert r.status_code == 413
+
+@pytest.mark.parametrize("key", BAD_KEYS, ids=list(BAD_KEYS))
+@pytest.mark.parametrize(("method", "path"), ROUTES, ids=[f"{m} {p}" for m, p in ROUTES])
+def test_every_route_refuses_a_missing_or_wrong_key(http, method, path, key):
+    r = http.request(method, path, headers=BAD_KEYS[key])
+    assert r.status_code == 401, r.text
+    assert r.json()["error"]["code"] == "invalid_api_key"
+
+
+def _definition(**changes):
+    return {"name": "ok", "project": "tests", "base_model": "smollm2", **changes}
+
+
+BAD_REGISTRATIONS = {
+    "name-escapes": (_definition(name="../evil"), "invalid model name"),
+    "project-has-slash": (_definition(project="a/b"), "invalid project name"),
+    "base-model-is-a-path": (_definition(base_model="/etc"), "not offered by this server"),
+    "bad-lora-rank": (_definition(config={"lora": {"r": -1}}), "config.lora.r"),
+    "unknown-field": (_definition(shell="rm"), "unknown model definition fields"),
+    "template-is-a-server-file": (
+        _definition(config={"engine": {"chat_template": "/etc/passwd"}}),
+        "not a file on the server"),
+    "vllm-flags-naming-paths": (
+        _definition(config={"engine": {"extra_args": ["--chat-template", "/etc/passwd"]}}),
+        "--allow-engine-args"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_REGISTRATIONS, ids=list(BAD_REGISTRATIONS))
+def test_a_bad_registration_is_refused_naming_the_problem(http, case):
+    body, message = BAD_REGISTRATIONS[case]
+    r = http.post("/api/v1/models", json=body, headers=AUTH)
+    assert r.status_code == 400, r.text
+    assert message in r.json()["error"]["message"]
+
+
+def test_a_registration_that_is_not_json_is_refused(http):
+    r = http.post("/api/v1/models", content=b"{not json", headers=AUTH)
+    assert r.status_code == 400 and "not valid JSON" in r.text
+
+
+ESCAPING_PATHS = {
+    "encoded-slashes-in-name": ("/api/v1/models/tests/..%2F..%2Fetc/history", 404),
+    "dot-segments": ("/api/v1/models/../../etc/history", 404),
+    "encoded-slash-in-rollout-id": ("/api/v1/models/tests/remote/calls/..%2Fx", 404),
+    "hidden-rollout-id": ("/api/v1/models/tests/remote/calls/.hidden", 400),
+}
+
+
+@pytest.mark.parametrize("case", ESCAPING_PATHS, ids=list(ESCAPING_PATHS))
+def test_a_path_cannot_reach_outside_the_data_folder(http, server, case):
+    path, status = ESCAPING_PATHS[case]
+    r = http.get(path, headers=AUTH)
+    assert r.status_code == status, r.text
+    assert list((server.path / "data").glob("**/etc*")) == []
+    assert not (server.path / "etc").exists()
+
+
+def test_an_unregistered_model_is_404_with_its_code(http):
+    r = http.get("/api/v1/models/tests/nobody/history", headers=AUTH)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_registered"
+
+
+TRAIN = "/api/v1/models/tests/remote/train"
+_BIG = b'{"request_id": "r3"}\n' + b" " * (1024 * 1024 + 10)
+BAD_UPLOADS = {
+    "bad-group-line": (b'{"request_id": "r1"}\n{"trajectories": "nope"}\n', {}, 400,
+                       "upload:2"),
+    "request-id-escapes": (b'{"request_id": "../x"}\n', {}, 400, "invalid request id"),
+    "bad-train-config": (b'{"request_id": "r2", "config": {"learning_rate": -1}}\n', {}, 400,
+                         "invalid train config"),
+    "over-the-limit": (_BIG, {}, 413, "over the limit"),
+    # 1 KiB on the wire, over the limit once inflated
+    "gzip-bomb": (gzip.compress(_BIG), {"content-encoding": "gzip"}, 413, "decompressed"),
+    "unknown-encoding": (b"x", {"content-encoding": "br"}, 400, "not supported"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_UPLOADS, ids=list(BAD_UPLOADS))
+async def test_a_bad_training_upload_is_refused_before_anything_is_written(
+        http, server, remote_model, case):
+    content, headers, status, message = BAD_UPLOADS[case]
+    if content.endswith(b"\n") and b"trajectories" not in content and status == 400:
+        content += _group_line()  # a valid group after the bad parameters line
+    requests = server.path / "data" / "tests" / "models" / "remote" / "requests" / "train"
+    before = sorted(requests.glob("*.json")) if requests.exists() else []
+    r = http.post(TRAIN, content=content, headers={**AUTH, **headers})
+    assert r.status_code == status, r.text
+    assert message in r.json()["error"]["message"]
+    assert (sorted(requests.glob("*.json")) if requests.exists() else []) == before
+
+
+def test_a_gateway_body_over_32_mib_is_413(http):
+    r = http.post("/v1/chat/completions", content=b" " * (33 * 1024 * 1024), headers=AUTH)
+    assert r.status_code == 413
 
 
 def _group_line() -> bytes:
@@ -167,7 +223,9 @@ def _group_line() -> bytes:
 
 
 async def test_client_errors_are_clear_and_never_hang(server):
-    model = tracerl.TrainableModel(name="keyless", project="tests", base_model="smollm2", config=CONFIG)
+    model = tracerl.TrainableModel(
+        name="keyless", project="tests", base_model="smollm2", config=CONFIG
+    )
     with pytest.raises(tracerl.AuthenticationError, match="API key"):
         await model.register(tracerl.RemoteBackend(server.url, api_key="wrong"))
     started = time.monotonic()
@@ -192,12 +250,16 @@ async def test_kill_9_mid_step_then_restart_loses_nothing(tmp_path):
     srv = ServerProcess(tmp_path, env={"TRACERL_TEST_HANG_MARKER": str(marker)})
     srv.start(extra_args=("--plugin", "tests.remote_hang_plugin"))
     backend = tracerl.RemoteBackend(srv.url, api_key=API_KEY, retry_for_s=240)
-    model = tracerl.TrainableModel(name="crashy", project="tests", base_model="smollm2", config=CONFIG)
+    model = tracerl.TrainableModel(
+        name="crashy", project="tests", base_model="smollm2", config=CONFIG
+    )
     try:
         await model.register(backend)
         groups = await tracerl.gather_trajectory_groups(
             [tracerl.TrajectoryGroup(_rollout(model, i) for i in range(4))], show_progress=False)
-        training = asyncio.create_task(model.train(groups, config=tracerl.TrainConfig(learning_rate=1e-3)))
+        training = asyncio.create_task(
+            model.train(groups, config=tracerl.TrainConfig(learning_rate=1e-3))
+        )
         deadline = time.monotonic() + 120
         while not marker.exists():
             assert time.monotonic() < deadline and not training.done(), "step 1 never started"
@@ -207,12 +269,16 @@ async def test_kill_9_mid_step_then_restart_loses_nothing(tmp_path):
         # clearly, and another model's step queues behind it
         with pytest.raises(tracerl.TrainingError, match="already has training request"):
             await model.train(groups)
-        other = tracerl.TrainableModel(name="queued", project="tests", base_model="smollm2", config=CONFIG)
+        other = tracerl.TrainableModel(
+            name="queued", project="tests", base_model="smollm2", config=CONFIG
+        )
         await other.register(backend)
         other_groups = await tracerl.gather_trajectory_groups(
             [tracerl.TrajectoryGroup(_rollout(other, i) for i in range(4))], show_progress=False)
         other_training = asyncio.create_task(other.train(other_groups))
+        deadline = time.monotonic() + 120
         while len((await backend.status())["training"]) < 2:
+            assert time.monotonic() < deadline, "the second model's step was never queued"
             await asyncio.sleep(0.2)
         states = {t["model"]: (t["state"], t["step"]) for t in (await backend.status())["training"]}
         assert states == {"tests/crashy": ("running", 1), "tests/queued": ("queued", None)}
@@ -255,7 +321,7 @@ def test_client_engine_configs_name_built_ins_and_flags_need_the_operators_conse
     built_in = tracerl.ModelConfig(engine=tracerl.EngineConfig(chat_template="chatml-tools"))
     flags = tracerl.ModelConfig(engine=tracerl.EngineConfig(extra_args=["--enforce-eager"]))
     strict, trusting = ControlServer(None), ControlServer(None, allow_engine_args=True)
-    strict._check_client_engine_config(built_in)
-    trusting._check_client_engine_config(flags)
+    strict.check_client_engine_config(built_in)
+    trusting.check_client_engine_config(flags)
     with pytest.raises(tracerl.ConfigError, match="--allow-engine-args"):
-        strict._check_client_engine_config(flags)
+        strict.check_client_engine_config(flags)

@@ -14,8 +14,9 @@ TASK = {"role": "user", "content": "Buy the cheapest red shoe."}
 
 
 def traj(answer, reward=0.0):
-    return tracerl.Trajectory(messages_and_choices=[SYSTEM, TASK, {"role": "assistant", "content": answer}],
-                              reward=reward)
+    return tracerl.Trajectory(
+        messages_and_choices=[SYSTEM, TASK, {"role": "assistant", "content": answer}], reward=reward
+    )
 
 
 def group(*answers):
@@ -43,11 +44,17 @@ def by_answer(g):
 
 async def test_scores_are_matched_by_id_and_shared_context_sent_once(judge):
     g = group("bought red shoe for $10", "gave up", "bought blue shoe")
-    scores = {trajectory_id([{"role": "assistant", "content": a}]): s
-              for a, s in [("bought red shoe for $10", 0.9), ("gave up", 0.1), ("bought blue shoe", 0.4)]}
+    scores = {
+        trajectory_id([{"role": "assistant", "content": a}]): s
+        for a, s in [("bought red shoe for $10", 0.9), ("gave up", 0.1), ("bought blue shoe", 0.4)]
+    }
     server, ruler = judge(good(lambda tid, k: scores[tid]))
     out = await ruler.score_group(g)
-    assert by_answer(out) == {"bought red shoe for $10": 0.9, "gave up": 0.1, "bought blue shoe": 0.4}
+    assert by_answer(out) == {
+        "bought red shoe for $10": 0.9,
+        "gave up": 0.1,
+        "bought blue shoe": 0.4,
+    }
     assert [t.metrics["independent_reward"] for t in out] == [0.0, 1.0, 2.0]
     prompt = server.requests[0]["messages"][-1]["content"]
     assert prompt.count("Buy the cheapest red shoe.") == 1  # the shared prefix, once
@@ -66,14 +73,29 @@ async def test_malformed_json_is_retried(judge):
     assert sorted(t.reward for t in out) == [0.5, 0.6]
 
 
-@pytest.mark.parametrize("bad, needle", [
-    (lambda r, ids: json.dumps({"scores": [{"trajectory_id": "t0000000000", "explanation": "", "score": 1}]}),
-     "unknown trajectory id"),
-    (lambda r, ids: json.dumps({"scores": [{"trajectory_id": i, "explanation": "", "score": 7} for i in ids]}),
-     "not a number in [0, 1]"),
-    (lambda r, ids: json.dumps({"scores": [{"trajectory_id": ids[0], "explanation": "", "score": 1}]}),
-     "did not score"),
-])
+@pytest.mark.parametrize(
+    "bad, needle",
+    [
+        (
+            lambda r, ids: json.dumps(
+                {"scores": [{"trajectory_id": "t0000000000", "explanation": "", "score": 1}]}
+            ),
+            "unknown trajectory id",
+        ),
+        (
+            lambda r, ids: json.dumps(
+                {"scores": [{"trajectory_id": i, "explanation": "", "score": 7} for i in ids]}
+            ),
+            "not a number in [0, 1]",
+        ),
+        (
+            lambda r, ids: json.dumps(
+                {"scores": [{"trajectory_id": ids[0], "explanation": "", "score": 1}]}
+            ),
+            "did not score",
+        ),
+    ],
+)
 async def test_invalid_answers_fail_clearly_after_retries_or_are_swallowed(judge, bad, needle):
     server, ruler = judge(bad, max_retries=2)
     g = group("a", "b")
@@ -108,14 +130,23 @@ async def test_answers_are_cached_on_disk(judge, tmp_path):
 
 async def test_large_groups_are_chunked_around_a_shared_anchor(judge):
     """The second chunk's judge is 0.2 more generous; the anchor shift removes that bias."""
-    base = {trajectory_id([{"role": "assistant", "content": f"answer {i}"}]): 0.1 * (i + 1) for i in range(5)}
+    base = {
+        trajectory_id([{"role": "assistant", "content": f"answer {i}"}]): 0.1 * (i + 1)
+        for i in range(5)
+    }
     calls = []
 
     def biased(request, ids):
         calls.append(ids)
         bias = 0.2 * (len(calls) - 1)
-        return json.dumps({"scores": [{"trajectory_id": t, "explanation": "", "score": min(1, base[t] + bias)}
-                                      for t in ids]})
+        return json.dumps(
+            {
+                "scores": [
+                    {"trajectory_id": t, "explanation": "", "score": min(1, base[t] + bias)}
+                    for t in ids
+                ]
+            }
+        )
 
     server, ruler = judge(biased, chunk_size=3)
     out = await ruler.score_group(group(*[f"answer {i}" for i in range(5)]))
@@ -128,7 +159,10 @@ async def test_large_groups_are_chunked_around_a_shared_anchor(judge):
 
 def test_parse_scores_rejects_duplicates_and_booleans():
     with pytest.raises(ValueError, match="twice"):
-        parse_scores('{"scores": [{"trajectory_id": "a", "score": 1}, {"trajectory_id": "a", "score": 1}]}', ["a"])
+        parse_scores(
+            '{"scores": [{"trajectory_id": "a", "score": 1}, {"trajectory_id": "a", "score": 1}]}',
+            ["a"],
+        )
     with pytest.raises(ValueError, match="not a number"):
         parse_scores('{"scores": [{"trajectory_id": "a", "score": true}]}', ["a"])
 

@@ -19,11 +19,22 @@ async def test_smollm2_judge_gives_valid_scores_end_to_end(tmp_path):
     try:
         await judge.register(backend)
         task = {"role": "user", "content": "What is the capital of France?"}
-        group = tracerl.TrajectoryGroup([
-            tracerl.Trajectory(messages_and_choices=[task, {"role": "assistant", "content": answer}])
-            for answer in ("Paris.", "I like turtles.")])
-        ruler = Ruler(judge.openai_client(), judge.get_inference_name(), max_retries=4, temperature=0.8,
-                      max_tokens=200, timeout_s=300)
+        group = tracerl.TrajectoryGroup(
+            [
+                tracerl.Trajectory(
+                    messages_and_choices=[task, {"role": "assistant", "content": answer}]
+                )
+                for answer in ("Paris.", "I like turtles.")
+            ]
+        )
+        ruler = Ruler(
+            judge.openai_client(),
+            judge.get_inference_name(),
+            max_retries=4,
+            temperature=0.8,
+            max_tokens=200,
+            timeout_s=300,
+        )
         scored = await ruler.score_group(group)
     finally:
         await backend.close()

@@ -81,11 +81,11 @@ class ControlServer:
         """Register (idempotently) the model a client describes; validated before anything is
         written."""
         spec = ModelSpec.from_definition(definition)
-        self._check_client_engine_config(spec.config)
+        self.check_client_engine_config(spec.config)
         return await self._add(spec.model_copy(
             update={"base_model": self._base_model_source(spec.base_model)}))
 
-    def _check_client_engine_config(self, config: ModelConfig) -> None:
+    def check_client_engine_config(self, config: ModelConfig) -> None:
         """A client's config must not reach the server's filesystem: chat templates by built-in
         name only, and vLLM flags (which can name paths) only where the operator allows them."""
         template = config.engine.chat_template

@@ -91,7 +91,7 @@ class EngineReply:
 
 
 @contextlib.contextmanager
-def _transport_errors() -> Iterator[None]:
+def transport_errors() -> Iterator[None]:
     """Transport failures as the gateway's terms: too slow -> TimeoutError (504, as for the
     gateway's own deadline), unreachable -> EngineUnavailableError (503 and a restart check)."""
     try:
@@ -102,7 +102,7 @@ def _transport_errors() -> Iterator[None]:
         raise EngineUnavailableError(f"the vLLM server did not answer: {e!r}") from e
 
 
-async def _sse_events(stream: aiohttp.StreamReader) -> AsyncIterator[Any]:
+async def sse_events(stream: aiohttp.StreamReader) -> AsyncIterator[Any]:
     """The JSON payloads of a server-sent event stream, up to ``data: [DONE]``."""
     async for raw in stream:  # one line at a time
         line = raw.rstrip(b"\r\n")
@@ -257,7 +257,7 @@ class VLLMEngine(Engine):
     async def _post(self, path: str, body: dict[str, Any]) -> EngineReply:
         if self.client is None or not self.alive():
             raise EngineUnavailableError("the vLLM server is not running")
-        with _transport_errors():
+        with transport_errors():
             async with self.client.post(path, json=body) as r:
                 return EngineReply(r.status, await r.read())
 
@@ -295,11 +295,11 @@ class VLLMEngine(Engine):
         self._check_ready()
         if self.client is None:
             raise EngineUnavailableError("the vLLM server is not running")
-        with _transport_errors():
+        with transport_errors():
             async with self.client.post("/v1/chat/completions", json=body) as r:
                 if r.status >= 400:
                     self._raise_for(EngineReply(r.status, await r.read()))
-                async for chunk in _sse_events(r.content):
+                async for chunk in sse_events(r.content):
                     yield chunk
 
 

@@ -16,13 +16,17 @@ ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
 def test_client_closes_with_its_loop_and_the_next_loop_gets_a_new_one():
     server = EchoServer()
-    model = tracerl.Model(name="m", project="p", inference_base_url=server.url, inference_api_key="k")
+    model = tracerl.Model(
+        name="m", project="p", inference_base_url=server.url, inference_api_key="k"
+    )
 
     async def call():
         client = model.openai_client()
         assert model.openai_client() is client  # one per loop
         with tracerl.rollout_scope() as rollout:
-            r = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+            r = await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}]
+            )
         seen = json.loads(r.choices[0].message.content)
         assert seen["header"] == rollout.rollout_id
         assert seen["path"] == f"/rollouts/{rollout.rollout_id}/v1/chat/completions"
@@ -41,7 +45,8 @@ def test_an_art_style_script_exits_without_unclosed_session_warnings():
     server = EchoServer()
     script = textwrap.dedent(f"""
         import asyncio, tracerl
-        model = tracerl.Model(name="m", project="p", inference_base_url={server.url!r}, inference_api_key="k")
+        model = tracerl.Model(name="m", project="p", inference_base_url={server.url!r},
+                              inference_api_key="k")
 
         async def phase():
             async def rollout(i):
@@ -56,8 +61,9 @@ def test_an_art_style_script_exits_without_unclosed_session_warnings():
         asyncio.run(phase())
     """)
     try:
-        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                             cwd=ROOT)
+        out = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT
+        )
     finally:
         server.close()
     assert out.returncode == 0, out.stderr

@@ -43,14 +43,22 @@ def test_resuming_at_any_step_gives_the_batches_an_uninterrupted_run_would():
 
 
 def test_bad_arguments_are_named_and_iterables_are_accepted():
-    for kwargs, needle in [({"groups_per_step": 0}, "groups_per_step"), ({"num_epochs": 1.5}, "num_epochs"),
-                           ({"initial_step": -1}, "initial_step"), ({"groups_per_step": True}, "groups_per_step")]:
+    for kwargs, needle in [
+        ({"groups_per_step": 0}, "groups_per_step"),
+        ({"num_epochs": 1.5}, "num_epochs"),
+        ({"initial_step": -1}, "initial_step"),
+        ({"groups_per_step": True}, "groups_per_step"),
+    ]:
         with pytest.raises(ValueError, match=needle):
             iterate_dataset(SCENARIOS, **kwargs)  # raised at the call, not at the first next()
     with pytest.raises(ValueError, match="empty"):
         iterate_dataset([])
-    generated = list(iterate_dataset((s for s in SCENARIOS), groups_per_step=4, num_epochs=2, use_tqdm=False))
-    assert [b.step for b in generated] == [0, 1, 2, 3] and sum(len(b.items) for b in generated) == 14
+    generated = list(
+        iterate_dataset((s for s in SCENARIOS), groups_per_step=4, num_epochs=2, use_tqdm=False)
+    )
+    assert [b.step for b in generated] == [0, 1, 2, 3] and sum(
+        len(b.items) for b in generated
+    ) == 14
 
 
 def test_limit_concurrency_caps_calls_per_key_across_event_loops():
@@ -86,15 +94,26 @@ def judge_server():
 
 def group(*answers):
     task = {"role": "user", "content": "Name a prime number."}
-    return tracerl.TrajectoryGroup([
-        tracerl.Trajectory(messages_and_choices=[task, {"role": "assistant", "content": a}], reward=0.0)
-        for a in answers])
+    return tracerl.TrajectoryGroup(
+        [
+            tracerl.Trajectory(
+                messages_and_choices=[task, {"role": "assistant", "content": a}], reward=0.0
+            )
+            for a in answers
+        ]
+    )
 
 
 async def test_ruler_score_group_takes_arts_arguments_through_real_litellm(judge_server, caplog):
     litellm_params = {"api_base": judge_server.url, "api_key": "judge-key"}
-    scored = await ruler_score_group(group("7", "9", "11"), "openai/judge", litellm_params, DEFAULT_RUBRIC,
-                                     swallow_exceptions=False, debug=True)
+    scored = await ruler_score_group(
+        group("7", "9", "11"),
+        "openai/judge",
+        litellm_params,
+        DEFAULT_RUBRIC,
+        swallow_exceptions=False,
+        debug=True,
+    )
     (request,) = judge_server.requests
     assert request["model"] == "judge"  # LiteLLM routed "openai/judge" to our api_base
     assert request["response_format"]["type"] == "json_schema"
@@ -104,8 +123,12 @@ async def test_ruler_score_group_takes_arts_arguments_through_real_litellm(judge
     assert "[ruler] openai/judge answered (attempt 1)" in caplog.text
 
     unreachable = {"api_base": "http://127.0.0.1:9/v1", "api_key": "k"}
-    assert await ruler_score_group(group("2", "4"), "openai/judge", unreachable, swallow_exceptions=True,
-                                   max_retries=0) is None
+    assert (
+        await ruler_score_group(
+            group("2", "4"), "openai/judge", unreachable, swallow_exceptions=True, max_retries=0
+        )
+        is None
+    )
 
 
 async def test_ruler_scores_raw_message_lists_in_order(judge_server):
@@ -113,7 +136,9 @@ async def test_ruler_scores_raw_message_lists_in_order(judge_server):
     lists = [[task, {"role": "assistant", "content": a}] for a in ("4", "13", "4")]
     scores = await ruler(lists, "openai/judge", {"api_base": judge_server.url, "api_key": "k"})
     assert [s.trajectory_id for s in scores] == ["1", "2", "3"]
-    assert scores[0].score == scores[2].score != scores[1].score  # identical lists, identical scores
+    assert (
+        scores[0].score == scores[2].score != scores[1].score
+    )  # identical lists, identical scores
     prompt = judge_server.requests[0]["messages"][-1]["content"]
     assert prompt.count("<trajectory id=") == 2  # the duplicate is sent once
     assert await ruler([], "openai/judge") == []
@@ -146,8 +171,13 @@ async def test_an_art_training_loop_ports_by_changing_the_imports(tf_backend, ju
                                  initial_step=await model.get_step(), use_tqdm=False):
         groups = await tracerl.gather_trajectory_groups(
             (tracerl.TrajectoryGroup(rollout(model, s) for _ in range(2)) for s in batch.items),
-            after_each=lambda g: ruler_score_group(g, "openai/judge", judge_params, swallow_exceptions=True),
-            pbar_desc="gather", max_exceptions=0, show_progress=False)
+            after_each=lambda g: ruler_score_group(
+                g, "openai/judge", judge_params, swallow_exceptions=True
+            ),
+            pbar_desc="gather",
+            max_exceptions=0,
+            show_progress=False,
+        )
         await model.train(groups, config=tracerl.TrainConfig(learning_rate=1e-4))
         trained.append(batch.step)
     assert trained == [0, 1] and await model.get_step() == 2
@@ -191,13 +221,25 @@ async def test_additional_histories_train_when_there_are_no_token_records(tf_bac
 def test_arts_internal_config_becomes_a_model_config():
     internal = tracerl.dev.InternalModelConfig(
         init_args=tracerl.dev.InitArgs(max_seq_length=4096),
-        engine_args=tracerl.dev.EngineArgs(enforce_eager=True, gpu_memory_utilization=0.7, max_num_seqs=64,
-                                           enable_prefix_caching=False, tool_call_parser="hermes",
-                                           enable_auto_tool_choice=True),
-        peft_args={"r": 16, "lora_alpha": 32, "target_modules": ["q_proj", "v_proj"]})
-    model = tracerl.TrainableModel(name="m", project="p", base_model="smollm2", _internal_config=internal)
+        engine_args=tracerl.dev.EngineArgs(
+            enforce_eager=True,
+            gpu_memory_utilization=0.7,
+            max_num_seqs=64,
+            enable_prefix_caching=False,
+            tool_call_parser="hermes",
+            enable_auto_tool_choice=True,
+        ),
+        peft_args={"r": 16, "lora_alpha": 32, "target_modules": ["q_proj", "v_proj"]},
+    )
+    model = tracerl.TrainableModel(
+        name="m", project="p", base_model="smollm2", _internal_config=internal
+    )
     engine, lora = model.config.engine, model.config.lora
-    assert (engine.max_model_len, engine.gpu_memory_utilization, engine.max_num_seqs) == (4096, 0.7, 64)
+    assert (engine.max_model_len, engine.gpu_memory_utilization, engine.max_num_seqs) == (
+        4096,
+        0.7,
+        64,
+    )
     assert engine.tool_call_parser == "hermes"
     assert engine.extra_args == ["--enforce-eager", "--no-enable-prefix-caching"]
     assert (lora.r, lora.alpha, lora.target_modules) == (16, 32, ["q_proj", "v_proj"])
@@ -211,15 +253,32 @@ def test_engine_args_become_flags_that_vllm_parses():
 
     if not VLLMEngine.available():
         pytest.skip("needs vLLM (TRACERL_VLLM_PYTHON)")
-    flags = tracerl.TrainableModel(name="m", project="p", base_model="smollm2", _internal_config={
-        "engine_args": {"enforce_eager": False, "enable_prefix_caching": False, "max_num_batched_tokens": 4096}}).config.engine.extra_args
-    parse = ("import sys, json\n"
-             "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
-             "from vllm.engine.arg_utils import AsyncEngineArgs\n"
-             "a = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(sys.argv[1:])\n"
-             "print(json.dumps([a.enforce_eager, a.enable_prefix_caching, a.max_num_batched_tokens]))")
-    out = subprocess.run([str(vllm_python()), "-c", parse, "--model", "x", *flags], capture_output=True,
-                         text=True, timeout=300, check=True).stdout
+    flags = tracerl.TrainableModel(
+        name="m",
+        project="p",
+        base_model="smollm2",
+        _internal_config={
+            "engine_args": {
+                "enforce_eager": False,
+                "enable_prefix_caching": False,
+                "max_num_batched_tokens": 4096,
+            }
+        },
+    ).config.engine.extra_args
+    parse = (
+        "import sys, json\n"
+        "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+        "from vllm.engine.arg_utils import AsyncEngineArgs\n"
+        "a = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(sys.argv[1:])\n"
+        "print(json.dumps([a.enforce_eager, a.enable_prefix_caching, a.max_num_batched_tokens]))"
+    )
+    out = subprocess.run(
+        [str(vllm_python()), "-c", parse, "--model", "x", *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
     assert json.loads(out.strip().splitlines()[-1]) == [False, False, 4096]
 
 
@@ -232,13 +291,20 @@ def test_engine_args_become_flags_that_vllm_parses():
 ])
 def test_internal_config_keys_without_an_equivalent_are_named(internal, needle):
     with pytest.raises(tracerl.ConfigError, match=needle):
-        tracerl.TrainableModel(name="m", project="p", base_model="smollm2", _internal_config=internal)
+        tracerl.TrainableModel(
+            name="m", project="p", base_model="smollm2", _internal_config=internal
+        )
 
 
 def test_config_and_internal_config_together_are_refused():
     with pytest.raises(tracerl.ConfigError, match="not both"):
-        tracerl.TrainableModel(name="m", project="p", base_model="smollm2", config=tracerl.ModelConfig(),
-                               _internal_config={})
+        tracerl.TrainableModel(
+            name="m",
+            project="p",
+            base_model="smollm2",
+            config=tracerl.ModelConfig(),
+            _internal_config={},
+        )
 
 
 def test_arts_per_step_config_maps_to_train_config_fields():
@@ -271,8 +337,13 @@ async def test_litellm_completion_params_reach_the_gateway_and_attribute_the_cal
     assert call.completions[0].text == response.choices[0].message.content
     assert call.prompt_token_ids and call.temperature == 1.0
     assert model.litellm_completion_params(step=0)["model"] == f"hosted_vllm/{model.name}@0"
-    external = tracerl.Model(name="baseline", project="tests", inference_model_name="openai/gpt-4o-mini",
-                             inference_base_url="https://api.openai.com/v1", inference_api_key="k")
+    external = tracerl.Model(
+        name="baseline",
+        project="tests",
+        inference_model_name="openai/gpt-4o-mini",
+        inference_base_url="https://api.openai.com/v1",
+        inference_api_key="k",
+    )
     assert external.litellm_completion_params()["model"] == "openai/gpt-4o-mini"
 
 
@@ -286,13 +357,24 @@ def test_train_config_takes_arts_kl_names():
 async def test_ruler_reads_additional_histories(judge_server):
     def trajectory(summary):
         return tracerl.Trajectory(
-            messages_and_choices=[{"role": "user", "content": "Plan a trip."},
-                                  {"role": "assistant", "content": "Rome."}],
-            additional_histories=[tracerl.History(messages_and_choices=[
-                {"role": "user", "content": "Summarise the plan."}, {"role": "assistant", "content": summary}])])
+            messages_and_choices=[
+                {"role": "user", "content": "Plan a trip."},
+                {"role": "assistant", "content": "Rome."},
+            ],
+            additional_histories=[
+                tracerl.History(
+                    messages_and_choices=[
+                        {"role": "user", "content": "Summarise the plan."},
+                        {"role": "assistant", "content": summary},
+                    ]
+                )
+            ],
+        )
 
     group = tracerl.TrajectoryGroup([trajectory("Rome, 3 days."), trajectory("No idea.")])
-    scored = await ruler_score_group(group, "openai/judge", {"api_base": judge_server.url, "api_key": "k"})
+    scored = await ruler_score_group(
+        group, "openai/judge", {"api_base": judge_server.url, "api_key": "k"}
+    )
     assert sorted(t.reward for t in scored) == [0.2, 0.5]  # the sub-agent's answer told them apart
     prompt = judge_server.requests[0]["messages"][-1]["content"]
     assert "additional history 1" in prompt and "No idea." in prompt and "Rome, 3 days." in prompt

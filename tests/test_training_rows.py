@@ -10,8 +10,12 @@ from tracerl.backend.training.trainer import micro_batches
 
 
 def call(prompt, completion, t=0.0, temperature=1.0, logprobs=None, n=1):
-    comps = [tracerl.CompletionRecord(index=i, token_ids=completion,
-                                      logprobs=logprobs or [-0.5] * len(completion)) for i in range(n)]
+    comps = [
+        tracerl.CompletionRecord(
+            index=i, token_ids=completion, logprobs=logprobs or [-0.5] * len(completion)
+        )
+        for i in range(n)
+    ]
     return tracerl.LLMCall(id=f"c{t}", prompt_token_ids=prompt, completions=comps, created_at=t,
                            temperature=temperature)
 
@@ -41,8 +45,10 @@ def test_recorded_ids_are_used_as_is_when_history_was_re_rendered_differently():
 
 
 def test_n_samples_each_become_a_row_and_failed_calls_are_skipped():
-    rows = rows_from_calls([call([1], [2, 3], n=3),
-                            tracerl.LLMCall(id="e", prompt_token_ids=[1], error="boom")], RowStats())
+    rows = rows_from_calls(
+        [call([1], [2, 3], n=3), tracerl.LLMCall(id="e", prompt_token_ids=[1], error="boom")],
+        RowStats(),
+    )
     assert len(rows) == 3 and all(r.input_ids == [1, 2, 3] for r in rows)
 
 
@@ -53,8 +59,12 @@ def test_fallback_renders_messages_and_is_flagged(tokenizer):
                                     "message": {"role": "assistant", "content": "Hello there"}})
     traj = tracerl.Trajectory(messages_and_choices=[{"role": "user", "content": "hi"}, choice])
 
-    (row,) = rows_from_messages(traj, lambda msgs, tools: render_ids(tokenizer, msgs, tools), lambda s: tokenizer(s, add_special_tokens=False)["input_ids"],
-                                tokenizer.eos_token_id)
+    (row,) = rows_from_messages(
+        traj,
+        lambda msgs, tools: render_ids(tokenizer, msgs, tools),
+        lambda s: tokenizer(s, add_special_tokens=False)["input_ids"],
+        tokenizer.eos_token_id,
+    )
     assert row.rendered
     completion = [i for i, m in zip(row.input_ids, row.loss_mask, strict=True) if m]
     assert tokenizer.decode(completion, skip_special_tokens=True) == "Hello there"
@@ -69,8 +79,10 @@ def test_advantages_centre_scale_and_skip_zero_variance():
 
 
 def test_micro_batches_respect_the_token_budget():
-    rows = [Row(input_ids=[0] * n, loss_mask=[True] * n, old_logprobs=[0.0] * n, temperatures=[1.0] * n)
-            for n in (10, 50, 20, 40, 30, 5)]
+    rows = [
+        Row(input_ids=[0] * n, loss_mask=[True] * n, old_logprobs=[0.0] * n, temperatures=[1.0] * n)
+        for n in (10, 50, 20, 40, 30, 5)
+    ]
     batches = micro_batches(rows, max_tokens=64)
     assert sorted(len(r) for b in batches for r in b) == [5, 10, 20, 30, 40, 50]
     for b in batches:

@@ -15,8 +15,10 @@ from tracerl.backend.engines.vllm_engine import VLLMEngine
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.skipif(not VLLMEngine.available(),
-                       reason="vLLM not installed; `make test` installs it and sets TRACERL_VLLM_PYTHON"),
+    pytest.mark.skipif(
+        not VLLMEngine.available(),
+        reason="vLLM not installed; `make test` installs it and sets TRACERL_VLLM_PYTHON",
+    ),
 ]
 
 MSGS = [{"role": "user", "content": "Name a colour."}]
@@ -45,10 +47,16 @@ def hf_logprobs(model_path, prompt_ids, completion_ids, adapter=None):
     ids = torch.tensor([prompt_ids + completion_ids])
     with torch.no_grad():
         logits = m(ids).logits[0, len(prompt_ids) - 1:-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion_ids)[:, None])[:, 0].tolist()
+    return (
+        torch.log_softmax(logits, -1)
+        .gather(-1, torch.tensor(completion_ids)[:, None])[:, 0]
+        .tolist()
+    )
 
 
-async def test_vllm_logprobs_match_a_transformers_forward_pass(vllm_backend, smollm2_path, tokenizer):
+async def test_vllm_logprobs_match_a_transformers_forward_pass(
+    vllm_backend, smollm2_path, tokenizer
+):
     _, model = vllm_backend
     with tracerl.rollout_scope() as ro:
         await model.openai_client().chat.completions.create(
@@ -64,7 +72,9 @@ async def test_vllm_streaming_is_recorded(vllm_backend):
     await check_streamed_call_is_recorded(vllm_backend[1], MSGS, max_tokens=4)
 
 
-async def test_vllm_lora_hot_swap_changes_outputs_and_matches_peft(vllm_backend, smollm2_path, tmp_path):
+async def test_vllm_lora_hot_swap_changes_outputs_and_matches_peft(
+    vllm_backend, smollm2_path, tmp_path
+):
     backend, model = vllm_backend
     client = model.openai_client()
 
@@ -86,25 +96,41 @@ async def test_vllm_lora_hot_swap_changes_outputs_and_matches_peft(vllm_backend,
     assert max(abs(a - b) for a, b in zip(after.completions[0].logprobs, ref, strict=True)) < 0.02
 
 
-async def test_vllm_crash_gives_503_then_restarts(vllm_backend):
+async def test_vllm_crash_gives_503_then_restarts_with_the_served_adapter(
+        vllm_backend, smollm2_path, tmp_path):
     backend, model = vllm_backend
-    engine = backend.gateway.models[model.name].engine
-    os.killpg(engine.process.pid, signal.SIGKILL)
-    await asyncio.to_thread(engine.process.wait)
+    route = backend.gateway.models[model.name]
+    adapter = await asyncio.to_thread(make_random_lora, smollm2_path, tmp_path / "lora", seed=7)
+    await backend.call_on_gateway(route.swap_adapter(7, adapter))
+    client = model.openai_client()
+
+    async def greedy() -> tracerl.LLMCall:
+        with tracerl.rollout_scope() as ro:
+            await client.chat.completions.create(model=model.name, messages=MSGS, max_tokens=4,
+                                                 temperature=0)
+        (call,) = await model.fetch_calls(ro.rollout_id)
+        return call
+
+    before = await greedy()
+    os.killpg(route.engine.process.pid, signal.SIGKILL)
+    await asyncio.to_thread(route.engine.process.wait)
     async with httpx2.AsyncClient(base_url=model.inference_base_url, timeout=60) as http:
-        r = await http.post("/chat/completions", json={"model": model.name, "messages": MSGS, "max_tokens": 2})
+        body = {"model": model.name, "messages": MSGS, "max_tokens": 2}
+        r = await http.post("/chat/completions", json=body)
         assert r.status_code == 503
         assert "unavailable" in r.json()["error"]["message"]
-        for _ in range(600):  # the restart takes a cold start (30-90 s on 2 cores)
+        # the restart is a cold start (30-90 s on 2 cores): poll, with a deadline
+        deadline = time.monotonic() + 600
+        while (r := await http.post("/chat/completions", json=body)).status_code == 503:
+            assert time.monotonic() < deadline, "vLLM was not restarted within 600 s"
             await asyncio.sleep(1)
-            r = await http.post("/chat/completions",
-                                json={"model": model.name, "messages": MSGS, "max_tokens": 2})
-            if r.status_code == 200:
-                break
-            assert r.status_code == 503
     assert r.status_code == 200
-    # the adapter of the current step came back with the restart
-    assert backend.gateway.models[model.name].step in (0, 1)
+    # the restarted engine serves the adapter it served before the crash, at the same step
+    after = await greedy()
+    assert (before.adapter_step, after.adapter_step) == (7, 7)
+    assert after.completions[0].token_ids == before.completions[0].token_ids
+    assert max(abs(a - b) for a, b in zip(after.completions[0].logprobs,
+                                          before.completions[0].logprobs, strict=True)) < 0.02
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
@@ -122,8 +148,14 @@ def test_sleep_mode_defaults_to_the_device_and_memory_share_is_passed(smollm2_pa
     from tracerl.core.engine import EngineSpec
 
     def engine(**config):
-        return VLLMEngine(EngineSpec(model_path=smollm2_path, served_name="x",
-                                     lora=tracerl.LoraConfig(), config=tracerl.EngineConfig(**config)))
+        return VLLMEngine(
+            EngineSpec(
+                model_path=smollm2_path,
+                served_name="x",
+                lora=tracerl.LoraConfig(),
+                config=tracerl.EngineConfig(**config),
+            )
+        )
 
     default = engine()
     assert default.sleeps is False  # CPU: vLLM has no sleep mode; on CUDA the default is on
@@ -146,8 +178,16 @@ async def test_gateway_lets_more_than_100_requests_reach_vllm_at_once(vllm_backe
         async with httpx2.AsyncClient(base_url=engine.base_url, timeout=60) as http:
             while not done.is_set():
                 lines = (await http.get("/metrics")).text.splitlines()
-                peak = max(peak, sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(
-                    ("vllm:num_requests_running{", "vllm:num_requests_waiting{"))))
+                peak = max(
+                    peak,
+                    sum(
+                        float(line.rsplit(" ", 1)[1])
+                        for line in lines
+                        if line.startswith(
+                            ("vllm:num_requests_running{", "vllm:num_requests_waiting{")
+                        )
+                    ),
+                )
                 await asyncio.sleep(0.02)
 
     watcher = asyncio.create_task(watch_vllm_queue())

@@ -14,9 +14,14 @@ def make_model_dir(tmp_path):
     for step, (reward, loss) in enumerate([(0.2, 0.5), (0.4, 0.3), (0.9, 0.1)], start=1):
         store.log_history(step, "train", {"reward": reward, "loss": loss})
     store.log_history(3, "val", {"reward": 0.8})
-    group = tracerl.TrajectoryGroup([
-        tracerl.Trajectory(messages_and_choices=[{"role": "assistant", "content": f"answer <{r}>"}], reward=r)
-        for r in (0.1, 0.9, 0.5)])
+    group = tracerl.TrajectoryGroup(
+        [
+            tracerl.Trajectory(
+                messages_and_choices=[{"role": "assistant", "content": f"answer <{r}>"}], reward=r
+            )
+            for r in (0.1, 0.9, 0.5)
+        ]
+    )
     write_groups_jsonl(store.trajectories_path("train", 3), [group])
     return store.root
 

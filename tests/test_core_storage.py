@@ -1,11 +1,10 @@
-"""CLI errors, storage atomicity and name validation."""
+"""Storage: atomic folders and files, append-only JSONL, name validation."""
 
 import json
 
 import pytest
 
 import tracerl
-from tracerl.cli import main
 from tracerl.core.storage import (
     ModelStore,
     append_jsonl,
@@ -13,12 +12,6 @@ from tracerl.core.storage import (
     read_jsonl,
     validate_name,
 )
-
-
-def test_unknown_base_model_is_a_clear_cli_error(capsys):
-    assert main(["prepare-model", "/no/such/model"]) == 2
-    err = capsys.readouterr().err
-    assert "neither a model folder" in err and "no model hub is used" in err
 
 
 @pytest.mark.parametrize("bad", ["../etc", "a/b", "", ".hidden", "x" * 200, "a b", "..", "ok/../x"])
@@ -35,9 +28,15 @@ def test_atomic_directory_leaves_nothing_on_failure(tmp_path):
         (tmp / "half.bin").write_bytes(b"x")
         raise RuntimeError("crash while saving")
     assert not final.exists() and list((tmp_path / "checkpoints").iterdir()) == []
+
+
+def test_atomic_directory_appears_whole_on_success(tmp_path):
+    final = tmp_path / "checkpoints" / "0003"
     with atomic_directory(final) as tmp:
         (tmp / "adapter.bin").write_bytes(b"ok")
+        assert not final.exists()  # nothing under the final name until the block ends
     assert (final / "adapter.bin").read_bytes() == b"ok"
+    assert [p.name for p in final.parent.iterdir()] == ["0003"]
 
 
 def test_partial_checkpoints_are_ignored_and_cleaned(tmp_path):
@@ -49,12 +48,16 @@ def test_partial_checkpoints_are_ignored_and_cleaned(tmp_path):
     assert sorted(p.name for p in store.checkpoints_dir.iterdir()) == ["0001"]
 
 
-def test_torn_last_jsonl_line_is_skipped_but_corruption_elsewhere_raises(tmp_path):
+def test_a_torn_last_jsonl_line_is_skipped(tmp_path):
     path = tmp_path / "history.jsonl"
     append_jsonl(path, {"step": 1})
     with open(path, "a") as f:
         f.write('{"step": 2, "rew')  # crash mid-append
     assert read_jsonl(path) == [{"step": 1}]
+
+
+def test_a_corrupt_jsonl_line_before_the_last_raises(tmp_path):
+    path = tmp_path / "history.jsonl"
     path.write_text('{"bad\n{"step": 1}\n')
     with pytest.raises(json.JSONDecodeError):
         read_jsonl(path)

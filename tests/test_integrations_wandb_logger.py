@@ -53,7 +53,8 @@ def test_offline_run_files_contain_metrics_and_trajectory_tables(tmp_path):
             messages_and_choices=[{"role": "assistant", "content": "hi"}], reward=r)
             for r in (0.2, 0.8)])
         config = tracerl.TrainConfig()
-        for step, metrics in [(1, {"reward": 0.5, "loss": 0.25}), (2, {"reward": 0.75, "loss": 0.125})]:
+        steps = [(1, {"reward": 0.5, "loss": 0.25}), (2, {"reward": 0.75, "loss": 0.125})]
+        for step, metrics in steps:
             done = tracerl.TrainEvent("done", step, metrics=metrics)
             asyncio.run(train_event(m, done, [], config))
         asyncio.run(step_logged(m, 2, "val", {}, [g]))
@@ -62,7 +63,9 @@ def test_offline_run_files_contain_metrics_and_trajectory_tables(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(ROOT),
            "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true",
            "TRACERL_LOGGERS": "wandb", "TRACERL_QUIET": "1"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     (run_file,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "*.wandb"))
     history = wandb_history(run_file)
@@ -71,8 +74,9 @@ def test_offline_run_files_contain_metrics_and_trajectory_tables(tmp_path):
     assert by_step[2]["train/reward"] == 0.75
     table_meta = next(h for h in history if "val/trajectories/_type" in h)
     assert table_meta["val/trajectories/nrows"] == 2
-    (table_file,) = glob.glob(str(Path(run_file).parent / "files" / "media" / "table" / "**" / "*.json"),
-                              recursive=True)
+    (table_file,) = glob.glob(
+        str(Path(run_file).parent / "files" / "media" / "table" / "**" / "*.json"), recursive=True
+    )
     table = json.loads(Path(table_file).read_text())
     assert table["columns"][:3] == ["group", "rollout_id", "reward"]
     assert sorted(row[2] for row in table["data"]) == [0.2, 0.8]

@@ -18,16 +18,34 @@ ROOT = Path(__file__).resolve().parents[1]
 def plugin_site(tmp_path_factory):
     """The example plugin, pip-installed (with its entry point) into a directory of its own."""
     target = tmp_path_factory.mktemp("site")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                    "--target", str(target), str(ROOT / "tests" / "example_plugin")], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(ROOT / "tests" / "example_plugin"),
+        ],
+        check=True,
+    )
     return target
 
 
 def run_py(code, site, **env):
     import os
 
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": f"{site}:{ROOT}", **env}, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": f"{site}:{ROOT}", **env},
+        timeout=120,
+    )
 
 
 def test_builtins_are_listed_explicitly_and_loaded():
@@ -44,10 +62,15 @@ def test_builtins_are_listed_explicitly_and_loaded():
     ({"TRACERL_QUIET": "1", "TRACERL_LOGGERS": "wandb"}, ["wandb_logger"]),
 ])
 def test_loggers_are_registered_only_when_enabled(env, loggers):
-    out = run_py("""
+    out = run_py(
+        """
         from tracerl.core.plugins import get_plugin_manager
-        print(sorted(n for n, _ in get_plugin_manager().list_name_plugin() if n.endswith("_logger")))
-    """, "", **{"TRACERL_LOGGERS": "", **env})
+        names = get_plugin_manager().list_name_plugin()
+        print(sorted(n for n, _ in names if n.endswith("_logger")))
+    """,
+        "",
+        **{"TRACERL_LOGGERS": "", **env},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(loggers)
 
@@ -61,8 +84,12 @@ def test_an_unknown_logger_is_refused_by_name():
 
 
 def test_third_party_entry_point_is_discovered_and_listed(plugin_site):
-    out = subprocess.run([sys.executable, "-m", "tracerl", "plugins", "-v"], capture_output=True,
-                         text=True, env={**__import__("os").environ, "PYTHONPATH": f"{plugin_site}:{ROOT}"})
+    out = subprocess.run(
+        [sys.executable, "-m", "tracerl", "plugins", "-v"],
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "PYTHONPATH": f"{plugin_site}:{ROOT}"},
+    )
     assert out.returncode == 0, out.stderr
     assert "example_judge" in out.stdout and "tracerl-example-plugin 0.0.1" in out.stdout
     assert "tracerl_score_group" in out.stdout
@@ -76,7 +103,10 @@ def test_hook_reference_lists_every_hookspec_and_its_implementers(plugin_site):
     reference = plugins.hook_reference()
     assert [h.name for h in reference] == specs and len(specs) >= 10
     by_name = {h.name: h for h in reference}
-    assert by_name["tracerl_score_group"].first_result and "ruler" in by_name["tracerl_score_group"].implemented_by
+    assert (
+        by_name["tracerl_score_group"].first_result
+        and "ruler" in by_name["tracerl_score_group"].implemented_by
+    )
     assert by_name["tracerl_on_llm_call"].signature == "tracerl_on_llm_call(call: LLMCall) -> None"
 
     out = subprocess.run([sys.executable, "-m", "tracerl", "hooks"], capture_output=True, text=True,

@@ -69,7 +69,10 @@ async def test_react_agent_rollouts_are_recorded_token_exactly(react_graph, agen
             first, second = traj.llm_calls
             (tc,) = first.response["choices"][0]["message"]["tool_calls"]
             assert json.loads(tc["function"]["arguments"]) == {"a": a, "b": b}
-            assert first.completions[0].tool_calls and first.completions[0].finish_reason == "tool_calls"
+            assert (
+                first.completions[0].tool_calls
+                and first.completions[0].finish_reason == "tool_calls"
+            )
             assert f"{a} plus {b}" in first.request["messages"][-1]["content"]  # its own rollout's
             assert second.request["messages"][-1] == {"role": "tool", "content": str(a + b),
                                                       "tool_call_id": tc["id"]}
@@ -96,7 +99,13 @@ async def test_parallel_tool_calls_and_streaming(agent_model):
     llm = init_chat_model(agent_model, temperature=0, max_tokens=80, streaming=True)
     graph = create_agent(llm, tools=[add], system_prompt=SYSTEM)
     traj = await graph_rollout(graph, lambda i, s: 0.0)(
-        {"messages": [*examples(parallel=True), {"role": "user", "content": "What is 3 plus 4 and 8 plus 1?"}]})
+        {
+            "messages": [
+                *examples(parallel=True),
+                {"role": "user", "content": "What is 3 plus 4 and 8 plus 1?"},
+            ]
+        }
+    )
     first = traj.llm_calls[0]
     assert first.streamed
     names = [json.loads(tc["function"]["arguments"])
@@ -129,9 +138,17 @@ def _failing_graph(agent_model):
 async def test_framework_error_is_recorded_and_group_survives(agent_model):
     rollout = graph_rollout(_failing_graph(agent_model), lambda i, s: 1.0)
     (group,) = await tracerl.gather_trajectory_groups(
-        [tracerl.TrajectoryGroup([rollout({"messages": [{"role": "user", "content": "hi"}]}),
-                                  rollout({"messages": [{"role": "user", "content": "please fail"}]})])],
-        max_exceptions=1, show_progress=False)
+        [
+            tracerl.TrajectoryGroup(
+                [
+                    rollout({"messages": [{"role": "user", "content": "hi"}]}),
+                    rollout({"messages": [{"role": "user", "content": "please fail"}]}),
+                ]
+            )
+        ],
+        max_exceptions=1,
+        show_progress=False,
+    )
     assert len(group.trajectories) == 1 and group.trajectories[0].reward == 1.0
     (exc,) = group.exceptions
     assert exc.type == "RuntimeError" and "tool backend exploded" in exc.message

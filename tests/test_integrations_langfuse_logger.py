@@ -52,7 +52,10 @@ def test_rollout_becomes_a_trace_with_a_generation_per_call(registered_logger):
     assert json.loads(rollout.attributes["langfuse.observation.metadata.rollout_id"]) == "ro-lf"
     assert gen.attributes["langfuse.observation.type"] == "generation"
     assert gen.attributes["langfuse.observation.model.name"] == "agent@3"
-    assert json.loads(gen.attributes["langfuse.observation.usage_details"]) == {"input": 4, "output": 2}
+    assert json.loads(gen.attributes["langfuse.observation.usage_details"]) == {
+        "input": 4,
+        "output": 2,
+    }
     assert gen.parent.span_id == rollout.context.span_id
     assert gen.context.trace_id == rollout.context.trace_id
 
@@ -79,7 +82,7 @@ def test_spans_reach_a_local_otlp_receiver_as_protobuf(tmp_path):
     code = textwrap.dedent("""
         import sys
         sys.path.insert(0, sys.argv[1])
-        from tests.test_langfuse_logger import trajectory
+        from tests.test_integrations_langfuse_logger import trajectory
         from tracerl.core.lifecycle import trajectory_finished
         from tracerl.core.plugins import get_plugin_manager
         trajectory_finished(trajectory())
@@ -87,9 +90,16 @@ def test_spans_reach_a_local_otlp_receiver_as_protobuf(tmp_path):
         logger.flush()
         logger.client().shutdown()
     """)
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(ROOT), "TRACERL_QUIET": "1",
-           "TRACERL_LOGGERS": "langfuse", "LANGFUSE_PUBLIC_KEY": "pk-lf", "LANGFUSE_SECRET_KEY": "sk-lf",
-           "LANGFUSE_BASE_URL": f"http://127.0.0.1:{server.server_address[1]}"}
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "PYTHONPATH": str(ROOT),
+        "TRACERL_QUIET": "1",
+        "TRACERL_LOGGERS": "langfuse",
+        "LANGFUSE_PUBLIC_KEY": "pk-lf",
+        "LANGFUSE_SECRET_KEY": "sk-lf",
+        "LANGFUSE_BASE_URL": f"http://127.0.0.1:{server.server_address[1]}",
+    }
     try:
         out = subprocess.run([sys.executable, "-c", code, str(ROOT)], env=env, capture_output=True,
                              text=True, timeout=120)

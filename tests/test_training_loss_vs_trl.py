@@ -28,12 +28,28 @@ def trl_trainer(model, tokenizer, tmp_path, loss_type, beta, temperature, bias_c
     from datasets import Dataset
 
     args = trl.GRPOConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
-        temperature=temperature, beta=beta, epsilon=0.2, epsilon_high=0.28, loss_type=loss_type,
-        use_bias_correction_kl=bias_correction, report_to=[], use_cpu=True, bf16=False, max_completion_length=8, logging_steps=1)
-    t = trl.GRPOTrainer(model=model, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
-                        args=args, train_dataset=Dataset.from_list([{"prompt": "hi"}] * 4),
-                        processing_class=tokenizer)
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        temperature=temperature,
+        beta=beta,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        loss_type=loss_type,
+        use_bias_correction_kl=bias_correction,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        max_completion_length=8,
+        logging_steps=1,
+    )
+    t = trl.GRPOTrainer(
+        model=model,
+        reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+        args=args,
+        train_dataset=Dataset.from_list([{"prompt": "hi"}] * 4),
+        processing_class=tokenizer,
+    )
     t.current_gradient_accumulation_steps = 1
     return t
 
@@ -48,8 +64,9 @@ def lora_grads(model):
     ("grpo", "sequence", 0.04, 0.7, True),
     ("bnpo", "token", 0.1, 1.3, False),
 ])
-def test_loss_and_gradients_match_trl(trainer, tokenizer, tmp_path, loss_type, ours, beta, temperature,
-                                      bias_correction):
+def test_loss_and_gradients_match_trl(
+    trainer, tokenizer, tmp_path, loss_type, ours, beta, temperature, bias_correction
+):
     g = torch.Generator().manual_seed(3)
     B, P, C = 4, 6, 5
     prompt = torch.randint(100, 5000, (1, P), generator=g).repeat(B, 1)  # one scenario, same length
@@ -72,9 +89,15 @@ def test_loss_and_gradients_match_trl(trainer, tokenizer, tmp_path, loss_type, o
     old = current + 0.3 * torch.randn(B, C, generator=g)  # off-policy: some ratios get clipped
 
     t = trl_trainer(model, tokenizer, tmp_path, loss_type, beta, temperature, bias_correction)
-    inputs = {"prompt_ids": prompt, "prompt_mask": torch.ones_like(prompt), "completion_ids": completion,
-              "completion_mask": completion_mask, "advantages": adv, "old_per_token_logps": old,
-              "ref_per_token_logps": ref}
+    inputs = {
+        "prompt_ids": prompt,
+        "prompt_mask": torch.ones_like(prompt),
+        "completion_ids": completion,
+        "completion_mask": completion_mask,
+        "advantages": adv,
+        "old_per_token_logps": old,
+        "ref_per_token_logps": ref,
+    }
     model.zero_grad()
     trl_loss = t._compute_loss(model, inputs)
     trl_loss.backward()

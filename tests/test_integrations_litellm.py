@@ -16,6 +16,7 @@ import litellm
 
 import tracerl
 from examples.calculator_task import ADD_TOOL, SYSTEM, examples, question
+from tests.conftest import until
 from tracerl.integrations.litellm import TracerlLiteLLMLogger, completion_kwargs
 from tracerl.integrations.litellm_proxy import LiteLLMProxy
 
@@ -36,8 +37,12 @@ async def test_sdk_calls_are_attributed_and_paired(tf_backend, logger):
     _, model = tf_backend
 
     async def rollout(word: str, stream: bool) -> tracerl.Trajectory:
-        r = await litellm.acompletion(messages=[{"role": "user", "content": f"Say {word}"}], max_tokens=5,
-                                      stream=stream, **completion_kwargs(model))
+        r = await litellm.acompletion(
+            messages=[{"role": "user", "content": f"Say {word}"}],
+            max_tokens=5,
+            stream=stream,
+            **completion_kwargs(model),
+        )
         if stream:
             text = "".join([c.choices[0].delta.content or "" async for c in r])
         else:
@@ -45,8 +50,13 @@ async def test_sdk_calls_are_attributed_and_paired(tf_backend, logger):
         return tracerl.Trajectory(reward=1.0, metadata={"text": text, "word": word})
 
     (group,) = await tracerl.gather_trajectory_groups(
-        [tracerl.TrajectoryGroup(rollout(w, stream=i % 2 == 1) for i, w in enumerate(["yes", "no", "maybe", "ok"]))],
-        show_progress=False)
+        [
+            tracerl.TrajectoryGroup(
+                rollout(w, stream=i % 2 == 1) for i, w in enumerate(["yes", "no", "maybe", "ok"])
+            )
+        ],
+        show_progress=False,
+    )
     assert not group.exceptions
     for i, traj in enumerate(group.trajectories):
         (call,) = traj.llm_calls
@@ -68,7 +78,9 @@ async def test_sdk_failure_is_a_failed_span(tf_backend, logger):
     with tracerl.rollout_scope() as ro:
         with pytest.raises(litellm.NotFoundError, match="no-such-model"):
             await rollout()
-    await asyncio.sleep(0.2)  # LiteLLM reports failures from a background task
+    # LiteLLM reports failures from a background task
+    await until(lambda: bool(ro.spans) and ro.spans[0].error is not None,
+                "LiteLLM's failure report to end the span")
     assert len(ro.spans) == 1, [(s.id, s.name, s.error, s.attributes) for s in ro.spans]
     (span,) = ro.spans
     assert span.error and "no-such-model" in span.error
@@ -79,8 +91,12 @@ def proxy(tf_backend, agent_model, tmp_path_factory):
     if not LITELLM_PYTHON:
         pytest.skip("TRACERL_LITELLM_PYTHON (a venv with LiteLLM's proxy) is not set")
     backend, _ = tf_backend
-    with LiteLLMProxy(upstream_base_url=backend.base_url, model_names=["agent"], python=LITELLM_PYTHON,
-                      directory=tmp_path_factory.mktemp("proxy")) as p:
+    with LiteLLMProxy(
+        upstream_base_url=backend.base_url,
+        model_names=["agent"],
+        python=LITELLM_PYTHON,
+        directory=tmp_path_factory.mktemp("proxy"),
+    ) as p:
         yield p
 
 
@@ -92,11 +108,22 @@ async def test_proxy_tool_loop_from_plain_http(proxy, agent_model):
     async def agent(client: httpx2.AsyncClient, rollout_id: str, a: int, b: int) -> list[dict]:
         messages = [{"role": "system", "content": SYSTEM}, *examples(), question(a, b)]
         for _ in range(3):
-            r = await client.post("/chat/completions", headers={"x-rollout-id": rollout_id}, json={
-                "model": "agent", "messages": messages, "tools": [ADD_TOOL], "temperature": 0, "max_tokens": 60})
+            r = await client.post(
+                "/chat/completions",
+                headers={"x-rollout-id": rollout_id},
+                json={
+                    "model": "agent",
+                    "messages": messages,
+                    "tools": [ADD_TOOL],
+                    "temperature": 0,
+                    "max_tokens": 60,
+                },
+            )
             r.raise_for_status()
             message = r.json()["choices"][0]["message"]
-            messages.append({k: v for k, v in message.items() if k in ("role", "content", "tool_calls")})
+            messages.append(
+                {k: v for k, v in message.items() if k in ("role", "content", "tool_calls")}
+            )
             if not message.get("tool_calls"):
                 return messages
             for tc in message["tool_calls"]:
@@ -106,15 +133,27 @@ async def test_proxy_tool_loop_from_plain_http(proxy, agent_model):
 
     async with httpx2.AsyncClient(base_url=proxy.base_url, timeout=120,
                                  headers={"Authorization": f"Bearer {proxy.master_key}"}) as client:
-        denied = await client.post("/chat/completions", headers={"Authorization": "Bearer wrong"},
-                                   json={"model": "agent", "messages": [{"role": "user", "content": "hi"}]})
+        denied = await client.post(
+            "/chat/completions",
+            headers={"Authorization": "Bearer wrong"},
+            json={"model": "agent", "messages": [{"role": "user", "content": "hi"}]},
+        )
         assert denied.status_code in (400, 401)
-        runs = await asyncio.gather(agent(client, "ro-proxy-a", 3, 4), agent(client, "ro-proxy-b", 12, 30))
-    for rid, (a, b), messages in zip(("ro-proxy-a", "ro-proxy-b"), [(3, 4), (12, 30)], runs, strict=True):
+        runs = await asyncio.gather(
+            agent(client, "ro-proxy-a", 3, 4), agent(client, "ro-proxy-b", 12, 30)
+        )
+    for rid, (a, b), messages in zip(
+        ("ro-proxy-a", "ro-proxy-b"), [(3, 4), (12, 30)], runs, strict=True
+    ):
         assert str(a + b) in messages[-1]["content"]
         calls = await agent_model.fetch_calls(rid)
         assert len(calls) == 2  # the tool call and the answer, each recorded under its rollout
-        assert json.loads(calls[0].completions[0].tool_calls[0]["function"]["arguments"]) == {"a": a, "b": b}
+        assert json.loads(calls[0].completions[0].tool_calls[0]["function"]["arguments"]) == {
+            "a": a,
+            "b": b,
+        }
         assert calls[1].request["messages"][-1]["content"] == str(a + b)
-        assert all(len(c.completions[0].token_ids) == len(c.completions[0].logprobs) > 0 for c in calls)
+        assert all(
+            len(c.completions[0].token_ids) == len(c.completions[0].logprobs) > 0 for c in calls
+        )
     assert (Path(proxy.directory) / "config.yaml").exists()

@@ -35,6 +35,11 @@ async def test_train_step_saves_checkpoint_and_serves_it(tf_backend):
     ckpt = store.checkpoint_dir(1)
     assert (ckpt / "adapter_model.safetensors").exists() and (ckpt / "adapter_config.json").exists()
     assert (ckpt / "optimizer.pt").exists()
+    # peft starts every LoRA B at zero: a trained step has moved them
+    from safetensors.torch import load_file
+
+    lora_b = [t for k, t in load_file(ckpt / "adapter_model.safetensors").items() if "lora_B" in k]
+    assert lora_b and all(float(t.abs().max()) > 0 for t in lora_b)
     assert store.trajectories_path("train", 1).exists()
     assert metrics["rows"] == 3 and metrics["rendered_rows"] == 0 and metrics["trained_tokens"] > 0
     assert metrics["logprob_mismatch"] < 0.02  # engine and trainer agree on the sampled tokens
@@ -50,7 +55,11 @@ async def test_train_step_saves_checkpoint_and_serves_it(tf_backend):
     assert call.adapter_step == 1
 
     def evaluated(reward):
-        return [tracerl.TrajectoryGroup([tracerl.Trajectory(messages_and_choices=[], reward=reward)] * 2)]
+        return [
+            tracerl.TrajectoryGroup(
+                [tracerl.Trajectory(messages_and_choices=[], reward=reward)] * 2
+            )
+        ]
 
     await model.log(evaluated(0.9), split="val", metrics={"accuracy": 0.1})  # step 1 evaluates best
     # zero-variance groups are skipped visibly, and nothing is trained
@@ -60,8 +69,12 @@ async def test_train_step_saves_checkpoint_and_serves_it(tf_backend):
     assert await model.get_step() == 2
     await model.log(evaluated(0.2), split="val", metrics={"accuracy": 0.5})
 
-    assert await model.delete_checkpoints(keep_last=1) == []  # ART's default: the best val/reward stays
-    assert await model.delete_checkpoints("accuracy", keep_last=1) == [1]  # best in split "val": step 2
+    assert (
+        await model.delete_checkpoints(keep_last=1) == []
+    )  # ART's default: the best val/reward stays
+    assert await model.delete_checkpoints("accuracy", keep_last=1) == [
+        1
+    ]  # best in split "val": step 2
     assert store.checkpoint_steps() == [2]
 
 
@@ -76,8 +89,14 @@ async def test_train_rejects_bad_input(tf_backend):
 def test_kill_9_mid_step_then_resume_loses_nothing(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRACERL_QUIET": "1"}
     script = str(ROOT / "tests" / "train_script.py")
-    proc = subprocess.Popen([sys.executable, script, str(tmp_path), "crash"], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, script, str(tmp_path), "crash"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     deadline = time.time() + 400
     lines = []
     for line in proc.stdout:
@@ -97,5 +116,9 @@ def test_kill_9_mid_step_then_resume_loses_nothing(tmp_path):
     report_line = [ln for ln in out.stdout.splitlines() if ln.startswith("REPORT ")]
     assert report_line, out.stderr[-3000:]
     report = json.loads(report_line[0][7:])
-    assert report == {"step_after_restart": 1, "pending_trajectories": 4, "pending_have_tokens": True,
-                      "step_after_training": 2}
+    assert report == {
+        "step_after_restart": 1,
+        "pending_trajectories": 4,
+        "pending_have_tokens": True,
+        "step_after_training": 2,
+    }

@@ -48,12 +48,20 @@ async def test_rollouts_become_weave_calls_with_rewards(tf_backend, weave_record
     async def rollout(i: int) -> tracerl.Trajectory:
         client = model.openai_client()
         messages = [{"role": "user", "content": f"Say {i}."}]
-        first = await client.chat.completions.create(model=model.name, messages=messages, max_tokens=3)
+        first = await client.chat.completions.create(
+            model=model.name, messages=messages, max_tokens=3
+        )
         messages += [first.choices[0].message.model_dump(exclude_none=True),
                      {"role": "user", "content": "Again."}]
-        second = await client.chat.completions.create(model=model.name, messages=messages, max_tokens=2)
-        return tracerl.Trajectory(messages_and_choices=[*messages, second.choices[0]], reward=0.25 * i,
-                                  metrics={"turns": 2.0}, metadata={"scenario": f"s{i}"})
+        second = await client.chat.completions.create(
+            model=model.name, messages=messages, max_tokens=2
+        )
+        return tracerl.Trajectory(
+            messages_and_choices=[*messages, second.choices[0]],
+            reward=0.25 * i,
+            metrics={"turns": 2.0},
+            metadata={"scenario": f"s{i}"},
+        )
 
     (group,) = await tracerl.gather_trajectory_groups(
         [tracerl.TrajectoryGroup(rollout(i) for i in range(2))], show_progress=False)
@@ -66,16 +74,27 @@ async def test_rollouts_become_weave_calls_with_rewards(tf_backend, weave_record
     feedback = {f["weave_ref"].rsplit("/", 1)[-1]: f for f in weave_recorder.feedback()}
     for t in group:
         ro = rollouts[t.rollout_id]
-        assert ro["inputs"]["metadata"] == t.metadata and ro["inputs"]["messages"][0]["content"] == t.messages()[0]["content"]
+        assert (
+            ro["inputs"]["metadata"] == t.metadata
+            and ro["inputs"]["messages"][0]["content"] == t.messages()[0]["content"]
+        )
         assert ro["output"]["reward"] == t.reward and ro["output"]["metrics"] == {"turns": 2.0}
         assert ro["parent_id"] is None and ro["ended_at"] >= ro["started_at"]
-        assert feedback[ro["id"]]["feedback_type"] == "reward" and feedback[ro["id"]]["payload"] == {"value": t.reward}
-        children = sorted((c for c in calls.values() if c.get("parent_id") == ro["id"]), key=lambda c: c["started_at"])
+        assert feedback[ro["id"]]["feedback_type"] == "reward" and feedback[ro["id"]][
+            "payload"
+        ] == {"value": t.reward}
+        children = sorted(
+            (c for c in calls.values() if c.get("parent_id") == ro["id"]),
+            key=lambda c: c["started_at"],
+        )
         assert len(children) == len(t.llm_calls) == 2
         for child, record in zip(children, t.llm_calls, strict=True):
             assert child["op_name"].split("/")[-1].startswith(weave_logger.LLM_CALL_OP + ":")
             assert child["trace_id"] == ro["trace_id"]
-            assert child["attributes"]["call_id"] == record.id and child["attributes"]["adapter_step"] == 0
+            assert (
+                child["attributes"]["call_id"] == record.id
+                and child["attributes"]["adapter_step"] == 0
+            )
             assert child["inputs"]["messages"] == record.request["messages"]
             usage = child["output"]["usage"]
             assert usage["prompt_tokens"] == len(record.prompt_token_ids) > 0

@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from tracerl.backend.engines.json_codec import loads
-from tracerl.backend.engines.vllm_engine import _sse_events, _transport_errors
+from tracerl.backend.engines.vllm_engine import sse_events, transport_errors
 from tracerl.core.engine import EngineUnavailableError
 
 
@@ -45,7 +45,7 @@ async def test_sse_events_survive_chunk_edges_long_lines_and_stop_at_done():
     try:
         async with aiohttp.ClientSession() as session:
             async with session.get(f"http://127.0.0.1:{port}/stream") as r:
-                events = [event async for event in _sse_events(r.content)]
+                events = [event async for event in sse_events(r.content)]
     finally:
         server.close()
     assert events == [{"a": 1}, big]
@@ -60,7 +60,7 @@ def _closed_port() -> int:
 async def test_an_unreachable_engine_is_unavailable_not_a_crash():
     async with aiohttp.ClientSession() as session:
         with pytest.raises(EngineUnavailableError, match="did not answer"):
-            with _transport_errors():
+            with transport_errors():
                 async with session.post(f"http://127.0.0.1:{_closed_port()}/v1/chat/completions",
                                         json={}):
                     pass
@@ -77,7 +77,7 @@ async def test_an_engine_that_accepts_but_never_answers_times_out():
         timeout = aiohttp.ClientTimeout(total=None, connect=5, sock_read=0.5)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             with pytest.raises(TimeoutError, match="did not answer in time"):
-                with _transport_errors():
+                with transport_errors():
                     async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions",
                                             json={}):
                         pass
@@ -95,7 +95,7 @@ async def test_an_engine_that_drops_the_connection_is_unavailable():
     try:
         async with aiohttp.ClientSession() as session:
             with pytest.raises(EngineUnavailableError):
-                with _transport_errors():
+                with transport_errors():
                     async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions",
                                             json={}):
                         pass
