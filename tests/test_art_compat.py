@@ -136,9 +136,8 @@ async def test_ruler_scores_raw_message_lists_in_order(judge_server):
     lists = [[task, {"role": "assistant", "content": a}] for a in ("4", "13", "4")]
     scores = await ruler(lists, "openai/judge", {"api_base": judge_server.url, "api_key": "k"})
     assert [s.trajectory_id for s in scores] == ["1", "2", "3"]
-    assert (
-        scores[0].score == scores[2].score != scores[1].score
-    )  # identical lists, identical scores
+    # identical lists, identical scores
+    assert scores[0].score == scores[2].score != scores[1].score
     prompt = judge_server.requests[0]["messages"][-1]["content"]
     assert prompt.count("<trajectory id=") == 2  # the duplicate is sent once
     assert await ruler([], "openai/judge") == []

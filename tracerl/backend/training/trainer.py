@@ -106,9 +106,8 @@ class Trainer:
         return get_peft_model(base, self._peft_config())
 
     def _load_unsloth(self, model_path: Path) -> Any:  # pragma: no cover - GPU only
-        os.environ.setdefault(
-            "UNSLOTH_RETURN_LOGITS", "1"
-        )  # the loss needs logits, not Unsloth's CE
+        # the loss needs logits, not Unsloth's fused cross-entropy
+        os.environ.setdefault("UNSLOTH_RETURN_LOGITS", "1")
         from transformers import AutoConfig
         from unsloth import FastLanguageModel
 
