@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from tracerl.backend.engines.tool_parsers import parse_hermes
 from tracerl.backend.recorder import (
     StreamAssembler,
@@ -10,87 +12,141 @@ from tracerl.backend.recorder import (
     strip_for_caller,
 )
 
+TWO_CALLS = (
+    'Let me check.<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>'
+)
 
-def test_hermes_tool_calls_are_parsed_and_bad_blocks_kept_as_text():
-    text = (
-        'Let me check.<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
-        '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>'
-    )
-    content, calls = parse_hermes(text)
+
+def test_hermes_blocks_become_tool_calls_and_leave_the_rest_as_content():
+    content, calls = parse_hermes(TWO_CALLS)
     assert content == "Let me check."
     assert [c["function"]["name"] for c in calls] == ["get_weather", "add"]
-    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
-    assert calls[1]["function"]["arguments"] == '{"a": 1}'
     assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+
+
+def test_hermes_object_arguments_are_serialised_and_string_arguments_kept():
+    _, (weather, add) = parse_hermes(TWO_CALLS)
+    assert json.loads(weather["function"]["arguments"]) == {"city": "Oslo"}
+    assert add["function"]["arguments"] == '{"a": 1}'
+
+
+BROKEN_BLOCKS = {
+    "not-json": "<tool_call>{not json}</tool_call>",
+    "no-name": '<tool_call>{"arguments": {}}</tool_call>',
+    "name-not-a-string": '<tool_call>{"name": 3, "arguments": {}}</tool_call>',
+    "json-array": '<tool_call>["get_weather"]</tool_call>',
+    "unclosed": '<tool_call>{"name": "get_weather", "arguments": {}}',
+}
+
+
+@pytest.mark.parametrize("text", BROKEN_BLOCKS.values(), ids=list(BROKEN_BLOCKS))
+def test_a_hermes_block_that_is_not_a_call_is_kept_as_text(text):
+    assert parse_hermes(text) == (text, [])
+
+
+def test_a_broken_hermes_block_beside_a_valid_one_stays_in_the_content():
     broken = "<tool_call>{not json}</tool_call>"
-    assert parse_hermes(broken) == (broken, [])
+    content, calls = parse_hermes(broken + '<tool_call>{"name": "f", "arguments": {}}</tool_call>')
+    assert content == broken and [c["function"]["name"] for c in calls] == ["f"]
 
 
-def test_stream_assembly_rebuilds_content_tool_calls_tokens_and_logprobs():
-    chunks = [
-        {"id": "x", "created": 1, "model": "m", "prompt_token_ids": [1, 2],
-         "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
-        {"choices": [{"index": 0, "delta": {"content": "Hi"}, "token_ids": [7],
-                      "logprobs": {"content": [{"token": "Hi", "logprob": -0.5}]}}]},
-        {"choices": [{"index": 0, "delta": {"tool_calls": [
-            {"index": 0, "id": "call_1", "function": {"name": "get_", "arguments": '{"ci'}}]},
-            "token_ids": [8], "logprobs": {"content": [{"token": "<t>", "logprob": -0.25}]}}]},
-        {"choices": [{"index": 0, "delta": {"tool_calls": [
-            {"index": 0, "function": {"name": "weather", "arguments": 'ty": "Oslo"}'}}]},
-            "token_ids": [9], "logprobs": {"content": [{"token": "</t>", "logprob": -0.125}]},
-            "finish_reason": "tool_calls"}]},
-        {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 3}},
-    ]
+STREAM = [
+    {"id": "x", "created": 1, "model": "m", "prompt_token_ids": [1, 2],
+     "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+    {"choices": [{"index": 0, "delta": {"content": "Hi"}, "token_ids": [7],
+                  "logprobs": {"content": [{"token": "Hi", "logprob": -0.5}]}}]},
+    {"choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 0, "id": "call_1", "function": {"name": "get_", "arguments": '{"ci'}}]},
+        "token_ids": [8], "logprobs": {"content": [{"token": "<t>", "logprob": -0.25}]}}]},
+    {"choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 0, "function": {"name": "weather", "arguments": 'ty": "Oslo"}'}}]},
+        "token_ids": [9], "logprobs": {"content": [{"token": "</t>", "logprob": -0.125}]},
+        "finish_reason": "tool_calls"}]},
+    {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 3}},
+]
+
+
+@pytest.fixture(scope="module")
+def streamed_call():
+    """The record built from :data:`STREAM` assembled chunk by chunk."""
     asm = StreamAssembler()
-    for c in chunks:
-        asm.add(c)
-    response = asm.response()
-    call = build_call(
-        endpoint="chat.completions",
-        caller_body={"model": "m", "temperature": 0.5},
-        response=response,
-        rollout_id="ro-1",
-        model="m",
-        adapter_step=2,
-        latency_s=0.1,
-        streamed=True,
-    )
-    (comp,) = call.completions
-    assert call.prompt_token_ids == [1, 2] and comp.token_ids == [7, 8, 9]
-    assert comp.logprobs == [-0.5, -0.25, -0.125] and comp.text == "Hi"
+    for chunk in STREAM:
+        asm.add(chunk)
+    return build_call(endpoint="chat.completions", caller_body={"model": "m", "temperature": 0.5},
+                      response=asm.response(), rollout_id="ro-1", model="m", adapter_step=2,
+                      latency_s=0.1, streamed=True)
+
+
+def test_stream_assembly_keeps_the_prompt_ids_of_the_first_chunk(streamed_call):
+    assert streamed_call.prompt_token_ids == [1, 2]
+
+
+def test_stream_assembly_concatenates_token_ids_and_logprobs_in_order(streamed_call):
+    (comp,) = streamed_call.completions
+    assert comp.token_ids == [7, 8, 9]
+    assert comp.logprobs == [-0.5, -0.25, -0.125]
+
+
+def test_stream_assembly_joins_content_deltas(streamed_call):
+    assert streamed_call.completions[0].text == "Hi"
+
+
+def test_stream_assembly_joins_tool_call_fragments_and_keeps_the_finish_reason(streamed_call):
+    (comp,) = streamed_call.completions
     assert comp.finish_reason == "tool_calls"
-    assert comp.tool_calls[0]["function"] == {
-        "name": "get_weather",
-        "arguments": '{"city": "Oslo"}',
-    }
-    assert call.temperature == 0.5 and call.streamed
+    assert [c["function"] for c in comp.tool_calls] == [
+        {"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
 
 
-def test_injected_fields_are_stripped_unless_asked():
+def test_a_streamed_record_carries_the_callers_temperature_step_and_stream_flag(streamed_call):
+    c = streamed_call
+    assert (c.temperature, c.adapter_step, c.rollout_id, c.streamed) == (0.5, 2, "ro-1", True)
+
+
+def test_injected_training_fields_ask_the_engine_for_logprobs_and_ids():
+    sent = inject_training_fields("chat.completions", {"model": "m", "messages": []})
+    assert (sent["logprobs"], sent["top_logprobs"], sent["return_token_ids"]) == (True, 0, True)
+    completions = inject_training_fields("completions", {"model": "m", "prompt": [1]})
+    assert (completions["logprobs"], completions["return_token_ids"]) == (0, True)
+
+
+def test_injecting_training_fields_leaves_the_callers_body_alone():
     body = {"model": "m", "messages": []}
-    sent = inject_training_fields("chat.completions", body)
-    assert (
-        sent["logprobs"] is True and sent["top_logprobs"] == 0 and sent["return_token_ids"] is True
-    )
-    assert "logprobs" not in body  # the caller's body is not modified
-    response = {
-        "prompt_token_ids": [1],
-        "choices": [
-            {
-                "index": 0,
-                "token_ids": [2],
-                "logprobs": {"content": []},
-                "message": {"role": "assistant", "content": "x"},
-            }
-        ],
-    }
-    plain = strip_for_caller("chat.completions", body, response)
-    assert "prompt_token_ids" not in plain and plain["choices"][0]["logprobs"] is None
-    assert "token_ids" not in plain["choices"][0]
-    asked = strip_for_caller(
-        "chat.completions", {**body, "logprobs": True, "return_token_ids": True}, response
-    )
-    assert asked == response
+    inject_training_fields("chat.completions", body)
+    assert body == {"model": "m", "messages": []}
+
+
+def engine_answer() -> dict:
+    return {"prompt_token_ids": [1], "choices": [{
+        "index": 0, "token_ids": [2], "logprobs": {"content": [{"token": "x", "logprob": -1.0}]},
+        "message": {"role": "assistant", "content": "x"}}]}
+
+
+ASKED = {
+    # id: (endpoint, what the caller sent, it gets ids back, it gets logprobs back)
+    "chat-nothing": ("chat.completions", {}, False, False),
+    "chat-logprobs": ("chat.completions", {"logprobs": True}, False, True),
+    "chat-logprobs-false": ("chat.completions", {"logprobs": False}, False, False),
+    "chat-ids": ("chat.completions", {"return_token_ids": True}, True, False),
+    "chat-both": ("chat.completions", {"logprobs": True, "return_token_ids": True}, True, True),
+    "completions-nothing": ("completions", {}, False, False),
     # /v1/completions: logprobs=0 is a request for the sampled token's logprob
-    assert strip_for_caller("completions", {"logprobs": 0}, {"choices": [{"logprobs": {"a": 1}}]})[
-        "choices"][0]["logprobs"] == {"a": 1}
+    "completions-logprobs-0": ("completions", {"logprobs": 0}, False, True),
+    "completions-both": ("completions", {"logprobs": 1, "return_token_ids": True}, True, True),
+}
+
+
+@pytest.mark.parametrize("endpoint, asked, gets_ids, gets_logprobs", ASKED.values(),
+                         ids=list(ASKED))
+def test_the_caller_gets_back_exactly_the_training_fields_it_asked_for(
+        endpoint, asked, gets_ids, gets_logprobs):
+    answer = engine_answer()
+    out = strip_for_caller(endpoint, {"model": "m", **asked}, answer)
+    choice = out["choices"][0]
+    assert ("prompt_token_ids" in out, "token_ids" in choice) == (gets_ids, gets_ids)
+    expected_logprobs = engine_answer()["choices"][0]["logprobs"] if gets_logprobs else None
+    assert choice["logprobs"] == expected_logprobs
+    assert choice["message"] == {"role": "assistant", "content": "x"}  # the answer itself stays
+    assert answer == engine_answer()  # not modified: the record is built from the same chunks
