@@ -10,20 +10,28 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no internet here: no fetch retries
 
 import asyncio
+import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
 
 
-async def until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    """Poll ``condition`` (state another thread or process changes) until it holds; fail
-    after ``timeout_s`` naming ``what`` was awaited."""
+async def until(condition: Callable[[], bool | Awaitable[bool]], what: str,
+                timeout_s: float = 30.0, every_s: float = 0.01) -> None:
+    """Poll ``condition`` (state another thread or process changes; a coroutine function is
+    awaited) every ``every_s`` until it holds; fail after ``timeout_s`` naming ``what`` was
+    awaited."""
     deadline = time.monotonic() + timeout_s
-    while not condition():
+    while True:
+        held = condition()
+        if inspect.isawaitable(held):
+            held = await held
+        if held:
+            return
         assert time.monotonic() < deadline, f"waited {timeout_s} s for {what}"
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(every_s)
 
 
 @pytest.fixture(scope="session")
@@ -65,8 +73,9 @@ async def tf_backend(tmp_path_factory):
     backend = tracerl.LocalBackend(
         path=tmp_path_factory.mktemp("tf-backend"), engine="transformers"
     )
-    model = tracerl.TrainableModel(name="gw", project="tests", base_model="smollm2",
-                                   config=tracerl.ModelConfig(engine=tracerl.EngineConfig(max_model_len=256)))
+    model = tracerl.TrainableModel(
+        name="gw", project="tests", base_model="smollm2",
+        config=tracerl.ModelConfig(engine=tracerl.EngineConfig(max_model_len=256)))
     await model.register(backend)
     yield backend, model
     await backend.close()

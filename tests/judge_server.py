@@ -35,7 +35,7 @@ class JudgeServer:
                 server.requests.append(body)
                 behaviour = server.behaviours[min(len(server.requests), len(server.behaviours)) - 1]
                 answer = behaviour(body, ids_in(body))
-                if answer is None:
+                if answer is None:  # the injected fault: a judge that stalls past the timeout
                     time.sleep(3)
                     answer = "{}"
                 if answer == "HTTP400":

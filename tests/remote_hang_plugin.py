@@ -14,4 +14,4 @@ import tracerl
 def tracerl_before_train_step(model, step, groups, config):
     if step == 1:
         Path(os.environ["TRACERL_TEST_HANG_MARKER"]).write_text(f"{model.name} {step}")
-        time.sleep(3600)
+        time.sleep(3600)  # the injected fault: a step that stalls until the test kills the server

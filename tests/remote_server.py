@@ -12,6 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 API_KEY = "test-key-" + "x" * 24
+READY = "tracerl serve: ready"
 
 
 def free_port() -> int:
@@ -51,17 +52,26 @@ class ServerProcess:
             *self.args,
             *extra_args,
         ]
-        log = open(self.log, "a")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                     start_new_session=True)
-        deadline = time.time() + timeout
-        mark = self.log.read_text().count("tracerl serve: ready")
-        while self.log.read_text().count("tracerl serve: ready") == mark:
-            if self.proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"tracerl serve did not log 'ready' within {timeout} s:\n"
-                                   f"{self.log.read_text()[-4000:]}")
-            time.sleep(0.2)
+        mark = self.log.read_text().count(READY) if self.log.exists() else 0
+        with open(self.log, "a") as log:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         cwd=ROOT, start_new_session=True)
+        self.wait_for_log_line(READY, after=mark, timeout_s=timeout)
         return self
+
+    def wait_for_log_line(self, line: str, *, after: int = 0, timeout_s: float = 240) -> None:
+        """Poll the server's log (every 0.1 s, up to ``timeout_s``) until ``line`` appears more
+        than ``after`` times; fail naming the line awaited, with the log's tail, if the process
+        exits first or time runs out."""
+        deadline = time.monotonic() + timeout_s
+        while self.log.read_text().count(line) <= after:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tracerl serve exited with code {self.proc.returncode} "
+                                   f"before logging {line!r}:\n{self.log.read_text()[-4000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"waited {timeout_s} s for tracerl serve to log {line!r}:\n"
+                                   f"{self.log.read_text()[-4000:]}")
+            time.sleep(0.1)
 
     def kill9(self) -> None:
         os.killpg(self.proc.pid, signal.SIGKILL)

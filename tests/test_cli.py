@@ -3,7 +3,12 @@
 from tracerl.cli import main
 
 
-def test_unknown_base_model_is_a_clear_cli_error(capsys):
+def test_unknown_base_model_exits_with_code_2(capsys):
     assert main(["prepare-model", "/no/such/model"]) == 2
-    err = capsys.readouterr().err
-    assert "neither a model folder" in err and "no model hub is used" in err
+
+
+def test_unknown_base_model_is_one_line_saying_no_hub_is_used(capsys):
+    main(["prepare-model", "/no/such/model"])
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("tracerl: error: ")
+    assert "neither a model folder" in line and "no model hub is used" in line

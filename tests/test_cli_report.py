@@ -2,16 +2,20 @@
 
 import re
 
+import pytest
+
 import tracerl
 from tracerl.cli import main
 from tracerl.core.storage import ModelStore
 from tracerl.core.trajectory import write_groups_jsonl
 from tracerl.report import COLOURS
 
+TRAIN = [(0.2, 0.5), (0.4, 0.3), (0.9, 0.1)]  # (reward, loss) of steps 1, 2, 3
+
 
 def make_model_dir(tmp_path):
     store = ModelStore(tmp_path, "p", "m")
-    for step, (reward, loss) in enumerate([(0.2, 0.5), (0.4, 0.3), (0.9, 0.1)], start=1):
+    for step, (reward, loss) in enumerate(TRAIN, start=1):
         store.log_history(step, "train", {"reward": reward, "loss": loss})
     store.log_history(3, "val", {"reward": 0.8})
     group = tracerl.TrajectoryGroup(
@@ -26,20 +30,56 @@ def make_model_dir(tmp_path):
     return store.root
 
 
-def test_report_has_curves_and_best_worst(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def html(tmp_path_factory):
+    root = make_model_dir(tmp_path_factory.mktemp("report"))
+    assert main(["report", str(root)]) == 0
+    return (root / "report.html").read_text()
+
+
+def reward_points(html, split):
+    """The (x, y) points of ``split`` on the reward chart (the first chart)."""
+    found = re.search(rf'class="series-{split}"[^>]*points="([^"]+)"', html)
+    assert found, f"no {split} series on the reward chart"
+    return [tuple(float(v) for v in p.split(",")) for p in found.group(1).split()]
+
+
+def answers_in_section(html, title):
+    """The answers shown under the heading ``title``, in order (up to the next heading)."""
+    section = html.split(f"{title}</h2>", 1)[1].split("<h2>", 1)[0]
+    return re.findall(r"answer &lt;([0-9.]+)&gt;", section)
+
+
+def test_report_prints_the_path_it_wrote(tmp_path, capsys):
     root = make_model_dir(tmp_path)
     assert main(["report", str(root)]) == 0
-    html = (root / "report.html").read_text()
     assert capsys.readouterr().out.strip() == str(root / "report.html")
-    train_points = re.search(r'class="series-train"[^>]*points="([^"]+)"', html).group(1).split()
-    assert len(train_points) == 3  # three train steps on the reward chart
-    ys = [float(p.split(",")[1]) for p in train_points]
-    assert ys[0] > ys[1] > ys[2]  # reward rises: SVG y grows downwards
-    assert 'class="series-val"' in html
-    best = html.index("best 2")
-    worst = html.index("worst 2")
-    assert html.index("answer &lt;0.9&gt;", best) < worst  # escaped, and in the best section
-    assert html.index("answer &lt;0.1&gt;", worst) > worst
+
+
+def test_the_reward_chart_has_one_point_per_train_step(html):
+    xs = [x for x, _ in reward_points(html, "train")]
+    assert len(xs) == 3 and xs == sorted(xs)
+
+
+def test_a_higher_reward_is_drawn_higher_up(html):
+    ys = [y for _, y in reward_points(html, "train")]
+    assert ys[0] > ys[1] > ys[2]  # rewards 0.2 < 0.4 < 0.9; SVG y grows downwards
+
+
+def test_the_val_series_is_drawn(html):
+    assert len(reward_points(html, "val")) == 1
+
+
+def test_the_best_section_lists_the_highest_rewards_first(html):
+    assert answers_in_section(html, "Step 3: best 2") == ["0.9", "0.5"]
+
+
+def test_the_worst_section_lists_the_lowest_rewards_first(html):
+    assert answers_in_section(html, "Step 3: worst 2") == ["0.1", "0.5"]
+
+
+def test_trajectory_text_is_html_escaped(html):
+    assert "answer <" not in html and "answer &lt;0.9&gt;" in html
 
 
 def test_report_of_a_non_model_folder_is_a_clear_error(tmp_path, capsys):
@@ -47,20 +87,33 @@ def test_report_of_a_non_model_folder_is_a_clear_error(tmp_path, capsys):
     assert "not a model folder" in capsys.readouterr().err
 
 
-def test_png_report_draws_both_splits(tmp_path, capsys):
-    from matplotlib.image import imread
+@pytest.fixture(scope="module")
+def png_report(tmp_path_factory):
+    root = make_model_dir(tmp_path_factory.mktemp("png-report"))
+    assert main(["report", str(root), "--png"]) == 0
+    return root / "report.png"
 
+
+def test_png_report_prints_both_paths(tmp_path, capsys):
     root = make_model_dir(tmp_path)
     assert main(["report", str(root), "--png"]) == 0
-    png = root / "report.png"
-    assert capsys.readouterr().out.split() == [str(root / "report.html"), str(png)]
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    pixels = imread(png)  # rows x columns x RGBA in [0, 1]
-    assert pixels.shape[1] == 1000 and pixels.shape[0] == 350
+    assert capsys.readouterr().out.split() == [str(root / "report.html"),
+                                               str(root / "report.png")]
 
-    def count(hex_colour):
-        rgb = [int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5)]
-        return int((abs(pixels[..., :3] - rgb).max(axis=-1) < 0.02).sum())
 
-    assert count(COLOURS["train"]) > 200 and count(COLOURS["val"]) > 20  # lines and markers drawn
+def test_png_report_is_a_1000_by_350_png(png_report):
+    from matplotlib.image import imread
 
+    assert png_report.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert imread(png_report).shape[:2] == (350, 1000)  # rows x columns
+
+
+@pytest.mark.parametrize(("split", "at_least"), [("train", 200), ("val", 20)],
+                         ids=["train", "val"])
+def test_png_report_draws_each_split_in_its_colour(png_report, split, at_least):
+    from matplotlib.image import imread
+
+    pixels = imread(png_report)  # rows x columns x RGBA in [0, 1]
+    colour = COLOURS[split]
+    rgb = [int(colour[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+    assert int((abs(pixels[..., :3] - rgb).max(axis=-1) < 0.02).sum()) > at_least

@@ -1,5 +1,7 @@
 """pluggy plugins: built-ins and a real third-party entry point, version checks, judges."""
 
+import asyncio
+import os
 import subprocess
 import sys
 import textwrap
@@ -8,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import tracerl
-from tracerl.core import plugins
+from tracerl.core import hookspecs, plugins
 from tracerl.core.lifecycle import score_group
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,26 +21,15 @@ def plugin_site(tmp_path_factory):
     """The example plugin, pip-installed (with its entry point) into a directory of its own."""
     target = tmp_path_factory.mktemp("site")
     subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-deps",
-            "--no-build-isolation",
-            "--target",
-            str(target),
-            str(ROOT / "tests" / "example_plugin"),
-        ],
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+         "--target", str(target), str(ROOT / "tests" / "example_plugin")],
         check=True,
     )
     return target
 
 
 def run_py(code, site, **env):
-    import os
-
+    """Python code in a fresh interpreter (a fresh plugin manager) with ``site`` importable."""
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         capture_output=True,
@@ -48,20 +39,36 @@ def run_py(code, site, **env):
     )
 
 
-def test_builtins_are_listed_explicitly_and_loaded():
+def run_cli(*args, site):
+    return subprocess.run([sys.executable, "-m", "tracerl", *args], capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": f"{site}:{ROOT}"},
+                          timeout=120)
+
+
+@pytest.mark.parametrize("builtin", list(plugins.BUILTIN_PLUGINS))
+def test_each_builtin_plugin_is_loaded_as_part_of_tracerl(builtin):
     names = {p.name: p for p in plugins.list_plugins()}
-    for builtin in plugins.BUILTIN_PLUGINS:
-        assert names[builtin].distribution == "tracerl"
-    assert {"transformers", "vllm"} <= set(plugins.collect_classes("tracerl_engines"))
-    assert {"local", "remote"} <= set(plugins.collect_classes("tracerl_backends"))
+    assert names[builtin].distribution == "tracerl"
 
 
-@pytest.mark.parametrize(("env", "loggers"), [
-    ({"TRACERL_QUIET": "1"}, []),
-    ({"TRACERL_QUIET": "0"}, ["console_logger"]),
-    ({"TRACERL_QUIET": "1", "TRACERL_LOGGERS": "wandb"}, ["wandb_logger"]),
-])
-def test_loggers_are_registered_only_when_enabled(env, loggers):
+@pytest.mark.parametrize(("hook", "provided"), [
+    ("tracerl_engines", {"transformers", "vllm"}),
+    ("tracerl_backends", {"local", "remote"}),
+], ids=["engines", "backends"])
+def test_builtin_plugins_provide_the_engines_and_backends(hook, provided):
+    assert provided <= set(plugins.collect_classes(hook))
+
+
+LOGGER_SETTINGS = {
+    "quiet": ({"TRACERL_QUIET": "1"}, []),
+    "console-by-default": ({"TRACERL_QUIET": "0"}, ["console_logger"]),
+    "wandb-when-named": ({"TRACERL_QUIET": "1", "TRACERL_LOGGERS": "wandb"}, ["wandb_logger"]),
+}
+
+
+@pytest.mark.parametrize("case", LOGGER_SETTINGS, ids=list(LOGGER_SETTINGS))
+def test_loggers_are_registered_only_when_enabled(case):
+    env, loggers = LOGGER_SETTINGS[case]
     out = run_py(
         """
         from tracerl.core.plugins import get_plugin_manager
@@ -80,45 +87,69 @@ def test_an_unknown_logger_is_refused_by_name():
         from tracerl.core.plugins import get_plugin_manager
         get_plugin_manager()
     """, "", TRACERL_LOGGERS="wandb,nosuchlogger")
-    assert out.returncode != 0 and "nosuchlogger" in out.stderr
+    assert out.returncode != 0
+    assert "PluginError" in out.stderr and "nosuchlogger" in out.stderr
 
 
-def test_third_party_entry_point_is_discovered_and_listed(plugin_site):
-    out = subprocess.run(
-        [sys.executable, "-m", "tracerl", "plugins", "-v"],
-        capture_output=True,
-        text=True,
-        env={**__import__("os").environ, "PYTHONPATH": f"{plugin_site}:{ROOT}"},
-    )
+@pytest.fixture(scope="module")
+def plugins_listing(plugin_site):
+    out = run_cli("plugins", "-v", site=plugin_site)
     assert out.returncode == 0, out.stderr
-    assert "example_judge" in out.stdout and "tracerl-example-plugin 0.0.1" in out.stdout
-    assert "tracerl_score_group" in out.stdout
-    assert "engines: " in out.stdout and "transformers" in out.stdout
+    return out.stdout
 
 
-def test_hook_reference_lists_every_hookspec_and_its_implementers(plugin_site):
-    from tracerl.core import hookspecs
+def test_a_third_party_entry_point_is_listed_with_its_distribution(plugins_listing):
+    assert "example_judge" in plugins_listing
+    assert "tracerl-example-plugin 0.0.1" in plugins_listing
 
-    specs = [n for n, f in vars(hookspecs).items() if hasattr(f, "tracerl_spec")]
-    reference = plugins.hook_reference()
-    assert [h.name for h in reference] == specs and len(specs) >= 10
-    by_name = {h.name: h for h in reference}
-    assert (
-        by_name["tracerl_score_group"].first_result
-        and "ruler" in by_name["tracerl_score_group"].implemented_by
-    )
+
+def test_the_plugin_listing_names_the_hooks_a_plugin_implements(plugins_listing):
+    assert "tracerl_score_group" in plugins_listing
+
+
+def test_the_plugin_listing_names_the_engines(plugins_listing):
+    (engines,) = [ln for ln in plugins_listing.splitlines() if ln.startswith("engines: ")]
+    assert "transformers" in engines
+
+
+SPECS = [n for n, f in vars(hookspecs).items() if hasattr(f, "tracerl_spec")]
+
+
+def test_hook_reference_lists_every_hookspec_in_source_order():
+    assert len(SPECS) >= 10
+    assert [h.name for h in plugins.hook_reference()] == SPECS
+
+
+def test_hook_reference_says_the_first_judge_wins_and_who_implements_it():
+    by_name = {h.name: h for h in plugins.hook_reference()}
+    assert by_name["tracerl_score_group"].first_result
+    assert "ruler" in by_name["tracerl_score_group"].implemented_by
+
+
+def test_hook_reference_gives_each_hooks_signature():
+    by_name = {h.name: h for h in plugins.hook_reference()}
     assert by_name["tracerl_on_llm_call"].signature == "tracerl_on_llm_call(call: LLMCall) -> None"
 
-    out = subprocess.run([sys.executable, "-m", "tracerl", "hooks"], capture_output=True, text=True,
-                         env={**__import__("os").environ, "PYTHONPATH": f"{plugin_site}:{ROOT}"})
+
+@pytest.fixture(scope="module")
+def hooks_listing(plugin_site):
+    out = run_cli("hooks", site=plugin_site)
     assert out.returncode == 0, out.stderr
-    assert all(name in out.stdout for name in specs)
-    score_section = out.stdout.split("\ntracerl_score_group(", 1)[1]
+    return out.stdout
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_tracerl_hooks_lists_every_hook(hooks_listing, spec):
+    assert f"\n{spec}(" in f"\n{hooks_listing}"
+
+
+def test_tracerl_hooks_names_third_party_implementers(hooks_listing):
+    score_section = hooks_listing.split("\ntracerl_score_group(", 1)[1]
     assert "[first result wins]" in score_section.splitlines()[0]
     assert "example_judge" in score_section.split("implemented by:", 1)[1].splitlines()[0]
 
 
-def test_third_party_judge_and_logger_hooks_run(plugin_site):
+def test_a_third_party_judge_scores_a_group(plugin_site):
     out = run_py("""
         import asyncio, tracerl
         from tracerl.core.lifecycle import score_group
@@ -132,13 +163,29 @@ def test_third_party_judge_and_logger_hooks_run(plugin_site):
     assert out.stdout.strip() == "[3.0, 1.0]"
 
 
-def test_blocked_plugins_are_not_loaded(plugin_site):
+def test_a_third_party_logger_receives_logged_metrics(plugin_site):
+    out = run_py("""
+        import asyncio, tracerl, tracerl_example_plugin
+        from tracerl.core.lifecycle import step_logged
+        model = tracerl.ModelSpec(name="m", project="p", base_model="smollm2")
+        asyncio.run(step_logged(model, 3, "val", {"reward": 0.25}, []))
+        print(tracerl_example_plugin.LOGGED)
+    """, plugin_site)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[('m', 3, 'val', 0.25)]"
+
+
+@pytest.mark.parametrize(("blocked", "loaded"), [("", True), ("example_judge", False)],
+                         ids=["not-blocked", "blocked"])
+def test_blocked_plugins_are_not_loaded(plugin_site, blocked, loaded):
     out = run_py("""
         from tracerl.core.plugins import list_plugins
-        print(sorted(p.name for p in list_plugins()))
-    """, plugin_site, TRACERL_BLOCK_PLUGINS="example_judge")
+        print("\\n".join(sorted(p.name for p in list_plugins())))
+    """, plugin_site, TRACERL_BLOCK_PLUGINS=blocked)
     assert out.returncode == 0, out.stderr
-    assert "example_judge" not in out.stdout and "local_backend" in out.stdout
+    names = out.stdout.split()
+    assert "local_backend" in names
+    assert ("example_judge" in names) is loaded
 
 
 def test_plugin_needing_a_newer_api_is_refused_by_name():
@@ -148,9 +195,12 @@ def test_plugin_needing_a_newer_api_is_refused_by_name():
     wanted = tracerl.HOOKSPEC_VERSION + 1
     with pytest.raises(tracerl.PluginError, match=rf"'future' needs tracerl plugin API {wanted}"):
         plugins.register(Future(), name="future")
+    assert plugins.get_plugin_manager().get_plugin("future") is None
 
 
-def test_runtime_registered_judge_scores_and_unknown_judge_fails_clearly():
+@pytest.fixture
+def constant_judge():
+    """A judge registered at run time, answering only to judge="constant"."""
     class Judge:
         @tracerl.hookimpl
         def tracerl_score_group(self, group, judge):
@@ -164,16 +214,23 @@ def test_runtime_registered_judge_scores_and_unknown_judge_fails_clearly():
 
             return score()
 
-    import asyncio
-
     name = plugins.register(Judge(), name="constant-judge")
-    try:
-        g = tracerl.TrajectoryGroup([tracerl.Trajectory(messages_and_choices=[])])
-        assert asyncio.run(score_group(g, judge="constant")).trajectories[0].reward == 0.5
-        with pytest.raises(tracerl.PluginError, match="no judge plugin"):
-            asyncio.run(score_group(g, judge="nobody"))
-    finally:
-        plugins.get_plugin_manager().unregister(name=name)
+    yield
+    plugins.get_plugin_manager().unregister(name=name)
+
+
+def one_trajectory_group():
+    return tracerl.TrajectoryGroup([tracerl.Trajectory(messages_and_choices=[])])
+
+
+def test_a_runtime_registered_judge_scores_groups(constant_judge):
+    scored = asyncio.run(score_group(one_trajectory_group(), judge="constant"))
+    assert [t.reward for t in scored.trajectories] == [0.5]
+
+
+def test_a_judge_nobody_implements_fails_clearly(constant_judge):
+    with pytest.raises(tracerl.PluginError, match="no judge plugin"):
+        asyncio.run(score_group(one_trajectory_group(), judge="nobody"))
 
 
 def test_hook_implementation_without_spec_is_rejected():

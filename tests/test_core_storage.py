@@ -12,14 +12,34 @@ from tracerl.core.storage import (
     read_jsonl,
     validate_name,
 )
+from tracerl.core.trajectory import read_groups_jsonl, write_groups_jsonl
+
+ESCAPING_NAMES = {
+    "parent": "../etc",
+    "slash": "a/b",
+    "empty": "",
+    "hidden": ".hidden",
+    "too-long": "x" * 200,
+    "space": "a b",
+    "dot-dot": "..",
+    "dot-dot-inside": "ok/../x",
+}
 
 
-@pytest.mark.parametrize("bad", ["../etc", "a/b", "", ".hidden", "x" * 200, "a b", "..", "ok/../x"])
-def test_names_that_could_escape_a_folder_are_rejected(bad):
+@pytest.mark.parametrize("name", ESCAPING_NAMES.values(), ids=list(ESCAPING_NAMES))
+def test_names_that_could_escape_a_folder_are_rejected(name):
     with pytest.raises(tracerl.ConfigError, match="invalid model name"):
-        validate_name("model", bad)
-    with pytest.raises(tracerl.ConfigError):
-        tracerl.TrainableModel(name=bad, project="p", base_model="smollm2")
+        validate_name("model", name)
+
+
+@pytest.mark.parametrize("name", ESCAPING_NAMES.values(), ids=list(ESCAPING_NAMES))
+def test_a_model_cannot_be_named_so_that_its_folder_escapes(name):
+    with pytest.raises(tracerl.ConfigError, match="invalid model name"):
+        tracerl.TrainableModel(name=name, project="p", base_model="smollm2")
+
+
+def test_a_plain_name_is_accepted():
+    assert validate_name("model", "Qwen2.5-7b_run-3") == "Qwen2.5-7b_run-3"
 
 
 def test_atomic_directory_leaves_nothing_on_failure(tmp_path):
@@ -27,24 +47,47 @@ def test_atomic_directory_leaves_nothing_on_failure(tmp_path):
     with pytest.raises(RuntimeError), atomic_directory(final) as tmp:
         (tmp / "half.bin").write_bytes(b"x")
         raise RuntimeError("crash while saving")
-    assert not final.exists() and list((tmp_path / "checkpoints").iterdir()) == []
+    assert list((tmp_path / "checkpoints").iterdir()) == []
+
+
+def test_atomic_directory_shows_nothing_under_the_final_name_until_done(tmp_path):
+    final = tmp_path / "checkpoints" / "0003"
+    with atomic_directory(final) as tmp:
+        (tmp / "adapter.bin").write_bytes(b"ok")
+        inside = sorted(p.name for p in final.parent.iterdir())
+    assert "0003" not in inside and len(inside) == 1  # only the temporary folder
 
 
 def test_atomic_directory_appears_whole_on_success(tmp_path):
     final = tmp_path / "checkpoints" / "0003"
     with atomic_directory(final) as tmp:
         (tmp / "adapter.bin").write_bytes(b"ok")
-        assert not final.exists()  # nothing under the final name until the block ends
     assert (final / "adapter.bin").read_bytes() == b"ok"
     assert [p.name for p in final.parent.iterdir()] == ["0003"]
 
 
-def test_partial_checkpoints_are_ignored_and_cleaned(tmp_path):
+@pytest.fixture
+def store_with_a_crashed_save(tmp_path):
+    """Step 1 saved; step 2's save killed midway: its temporary folder, named by the real
+    ``atomic_directory``, is left behind (a kill -9 runs no cleanup)."""
     store = ModelStore(tmp_path, "p", "m")
-    (store.checkpoints_dir / "0001").mkdir(parents=True)
-    (store.checkpoints_dir / ".0002.abc.tmp").mkdir()
-    assert store.checkpoint_steps() == [1] and store.latest_step() == 1
-    store.remove_partial_checkpoints()
+    with atomic_directory(store.checkpoints_dir / "0001"):
+        pass
+    interrupted = atomic_directory(store.checkpoints_dir / "0002")
+    partial = interrupted.__enter__()  # never exited, as in a process killed inside the block
+    assert partial.parent == store.checkpoints_dir
+    yield store  # (a yield keeps ``interrupted`` alive: closing it would clean up)
+
+
+def test_partial_checkpoints_are_ignored(store_with_a_crashed_save):
+    store = store_with_a_crashed_save
+    assert (store.checkpoint_steps(), store.latest_step()) == ([1], 1)
+
+
+def test_partial_checkpoints_are_cleaned(store_with_a_crashed_save):
+    store = store_with_a_crashed_save
+    (removed,) = store.remove_partial_checkpoints()
+    assert removed.name.startswith(".0002.")
     assert sorted(p.name for p in store.checkpoints_dir.iterdir()) == ["0001"]
 
 
@@ -63,20 +106,21 @@ def test_a_corrupt_jsonl_line_before_the_last_raises(tmp_path):
         read_jsonl(path)
 
 
-def test_unregistered_model_says_what_to_do():
-    m = tracerl.TrainableModel(name="m", project="p", base_model="smollm2")
-    with pytest.raises(tracerl.NotRegisteredError, match=r"await model.register\(backend\)"):
-        m.openai_client()
+def one_group(reward):
+    return tracerl.TrajectoryGroup([tracerl.Trajectory(messages_and_choices=[], reward=reward)])
 
 
-def test_group_jsonl_append_keeps_earlier_lines(tmp_path):
-    from tracerl.core.trajectory import read_groups_jsonl, write_groups_jsonl
-
+def test_group_jsonl_append_creates_the_file_then_keeps_earlier_lines(tmp_path):
     path = tmp_path / "val" / "0000.jsonl"
-    g1 = tracerl.TrajectoryGroup([tracerl.Trajectory(messages_and_choices=[], reward=1.0)])
-    g2 = tracerl.TrajectoryGroup([tracerl.Trajectory(messages_and_choices=[], reward=2.0)])
+    g1, g2 = one_group(1.0), one_group(2.0)
     write_groups_jsonl(path, [g1], append=True)  # no file yet: just written
     write_groups_jsonl(path, [g2], append=True)
     assert read_groups_jsonl(path) == [g1, g2]
+
+
+def test_group_jsonl_write_without_append_replaces_the_file(tmp_path):
+    path = tmp_path / "val" / "0000.jsonl"
+    g1, g2 = one_group(1.0), one_group(2.0)
+    write_groups_jsonl(path, [g1])
     write_groups_jsonl(path, [g2])
     assert read_groups_jsonl(path) == [g2]

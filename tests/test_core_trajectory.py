@@ -1,4 +1,6 @@
-import json
+"""The data model: trajectories, groups and call records round-trip losslessly and refuse bad
+input with a message naming the field."""
+
 import math
 
 import pytest
@@ -41,6 +43,15 @@ def make_trajectory(reward=1.0):
     )
 
 
+def make_sub_agent_history():
+    return tracerl.History(messages_and_choices=[{"role": "user", "content": "summarise"},
+                                                 make_choice("ok", token_ids=[9])],
+                           tools=[{"type": "function", "function": {"name": "f"}}])
+
+
+# --- round trips ---------------------------------------------------------------------------
+
+
 def test_trajectory_json_round_trip_is_lossless():
     t = make_trajectory()
     back = tracerl.Trajectory.from_json(t.to_json())
@@ -49,22 +60,44 @@ def test_trajectory_json_round_trip_is_lossless():
     # vLLM extras on the choice survive (openai models keep extra fields)
     assert back.messages_and_choices[2].model_extra["token_ids"] == [7, 8]
     assert back.llm_calls[0].completions[0].logprobs == [-0.5, -1e-9]
-    assert back.metrics == {"correct": 1.0, "len": 2.0}
-    assert back.messages()[-1] == {"role": "assistant", "content": "4"}
 
 
-def test_additional_histories_round_trip_and_are_validated():
-    sub_agent = tracerl.History(messages_and_choices=[{"role": "user", "content": "summarise"},
-                                                      make_choice("ok", token_ids=[9])],
-                                tools=[{"type": "function", "function": {"name": "f"}}])
+def test_metrics_are_stored_as_floats():
+    assert make_trajectory().metrics == {"correct": 1.0, "len": 2.0}
+
+
+def test_messages_turns_a_choice_into_a_plain_assistant_message():
+    assert make_trajectory().messages()[-1] == {"role": "assistant", "content": "4"}
+
+
+def test_additional_histories_round_trip_with_their_choices():
     t = make_trajectory()
-    t.additional_histories = [sub_agent]
+    t.additional_histories = [make_sub_agent_history()]
     back = tracerl.Trajectory.from_json(t.to_json())
-    assert back == t and isinstance(back.additional_histories[0].messages_and_choices[1], Choice)
+    assert back == t
+    assert isinstance(back.additional_histories[0].messages_and_choices[1], Choice)
     assert back.additional_histories[0].messages()[-1] == {"role": "assistant", "content": "ok"}
-    with pytest.raises(tracerl.InvalidTrajectoryError, match=r"messages_and_choices\[1\].*'robot'"):
-        tracerl.Trajectory(additional_histories=[{"messages_and_choices": [
-            {"role": "user", "content": "a"}, {"role": "robot", "content": "b"}]}])
+
+
+def test_group_jsonl_round_trip(tmp_path):
+    g1 = tracerl.TrajectoryGroup([make_trajectory(1.0), make_trajectory(0.0)],
+                                 exceptions=[ValueError("boom")], metadata={"scenario": "x"})
+    g2 = tracerl.TrajectoryGroup([make_trajectory(0.5)])
+    path = tmp_path / "g.jsonl"
+    write_groups_jsonl(path, [g1, g2])
+    back = read_groups_jsonl(path)
+    assert back == [g1, g2]
+    assert (back[0].exceptions[0].type, back[0].exceptions[0].message) == ("ValueError", "boom")
+
+
+def test_an_exception_never_raised_is_recorded_without_frames():
+    (e,) = tracerl.TrajectoryGroup([make_trajectory()], exceptions=[ValueError("boom")]).exceptions
+    assert e.traceback == "ValueError: boom\n"
+
+
+def test_a_group_takes_a_generator_of_trajectories():
+    g = tracerl.TrajectoryGroup(make_trajectory(r) for r in (0.5, 1.5))
+    assert [t.reward for t in g] == [0.5, 1.5]
 
 
 def test_exceptions_among_trajectories_become_the_groups_failed_rollouts():
@@ -72,24 +105,43 @@ def test_exceptions_among_trajectories_become_the_groups_failed_rollouts():
     assert len(g) == 1 and [e.type for e in g.exceptions] == ["ValueError", "KeyError"]
 
 
-def test_group_jsonl_round_trip(tmp_path):
-    g1 = tracerl.TrajectoryGroup([make_trajectory(1.0), make_trajectory(0.0)],
-                                 exceptions=[ValueError("boom")], metadata={"scenario": "x"})
-    g2 = tracerl.TrajectoryGroup(t for t in [make_trajectory(0.5)])  # generators work too
-    path = tmp_path / "g.jsonl"
-    write_groups_jsonl(path, [g1, g2])
-    back = read_groups_jsonl(path)
-    assert back == [g1, g2]
-    assert back[0].exceptions[0].type == "ValueError"
-    assert back[0].exceptions[0].message == "boom"
-    assert back[0].exceptions[0].traceback == "ValueError: boom\n"  # never raised: no frames
-    assert len(back[1]) == 1
+def test_trajectory_created_in_rollout_scope_gets_its_id():
+    with tracerl.rollout_scope("ro-abc"):
+        t = tracerl.Trajectory(messages_and_choices=[])
+    assert t.rollout_id == "ro-abc"
 
 
-@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, "1.0", None])
-def test_non_finite_or_non_numeric_reward_rejected(bad):
-    with pytest.raises(tracerl.InvalidTrajectoryError, match="reward"):
-        tracerl.Trajectory(messages_and_choices=[], reward=bad)
+def test_trajectory_created_outside_a_rollout_has_no_id():
+    assert tracerl.Trajectory(messages_and_choices=[]).rollout_id is None
+
+
+# --- bad input: every constructor names what is wrong ----------------------------------------
+
+BAD_TRAJECTORIES = {
+    "reward-nan": ({"reward": math.nan}, "reward"),
+    "reward-inf": ({"reward": math.inf}, "reward"),
+    "reward-minus-inf": ({"reward": -math.inf}, "reward"),
+    "reward-string": ({"reward": "1.0"}, "reward"),
+    "reward-none": ({"reward": None}, "reward"),
+    "metric-inf": ({"metrics": {"x": math.inf}}, r"metrics\['x'\]"),
+    "unknown-role": ({"messages_and_choices": [{"role": "user", "content": "hi"},
+                                               {"role": "robot", "content": "beep"}]},
+                     r"messages_and_choices\[1\].*'robot'"),
+    "not-a-message": ({"messages_and_choices": ["just a string"]},
+                      "message dict or an openai Choice"),
+    "metadata-not-json": ({"metadata": {"f": object()}}, "JSON"),
+    "history-with-unknown-role": (
+        {"additional_histories": [{"messages_and_choices": [
+            {"role": "user", "content": "a"}, {"role": "robot", "content": "b"}]}]},
+        r"messages_and_choices\[1\].*'robot'"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_TRAJECTORIES, ids=list(BAD_TRAJECTORIES))
+def test_a_bad_trajectory_is_refused_naming_the_field(case):
+    fields, message = BAD_TRAJECTORIES[case]
+    with pytest.raises(tracerl.InvalidTrajectoryError, match=message):
+        tracerl.Trajectory(**{"messages_and_choices": [], **fields})
 
 
 def test_reward_assignment_is_validated_too():
@@ -98,60 +150,47 @@ def test_reward_assignment_is_validated_too():
         t.reward = float("nan")
 
 
-def test_non_finite_metric_rejected():
-    with pytest.raises(tracerl.InvalidTrajectoryError, match=r"metrics\['x'\]"):
-        tracerl.Trajectory(messages_and_choices=[], metrics={"x": math.inf})
+BAD_GROUPS = {
+    "empty": ([], "at least one trajectory"),
+    "not-trajectories": ([1], r"trajectories\[0\] is a int"),
+}
 
 
-def test_unknown_role_rejected_with_position():
-    with pytest.raises(tracerl.InvalidTrajectoryError, match=r"messages_and_choices\[1\].*'robot'"):
-        tracerl.Trajectory(messages_and_choices=[{"role": "user", "content": "hi"},
-                                                 {"role": "robot", "content": "beep"}])
+@pytest.mark.parametrize("case", BAD_GROUPS, ids=list(BAD_GROUPS))
+def test_a_bad_group_is_refused(case):
+    trajectories, message = BAD_GROUPS[case]
+    with pytest.raises(tracerl.InvalidTrajectoryError, match=message):
+        tracerl.TrajectoryGroup(trajectories)
 
 
-def test_non_message_entry_rejected():
-    with pytest.raises(tracerl.InvalidTrajectoryError, match="message dict or an openai Choice"):
-        tracerl.Trajectory(messages_and_choices=["just a string"])
+BAD_COMPLETIONS = {
+    "fewer-logprobs-than-tokens": (([1, 2], [-0.1]), "2 token ids but 1 logprobs"),
+    "positive-logprob": (([1], [0.5]), "not a log-probability"),
+}
 
 
-def test_metadata_must_be_json():
-    with pytest.raises(tracerl.InvalidTrajectoryError, match="JSON"):
-        tracerl.Trajectory(messages_and_choices=[], metadata={"f": object()})
+@pytest.mark.parametrize("case", BAD_COMPLETIONS, ids=list(BAD_COMPLETIONS))
+def test_a_bad_completion_record_is_refused(case):
+    (token_ids, logprobs), message = BAD_COMPLETIONS[case]
+    with pytest.raises(tracerl.InvalidTrajectoryError, match=message):
+        tracerl.CompletionRecord(token_ids=token_ids, logprobs=logprobs)
 
 
-def test_empty_group_rejected():
-    with pytest.raises(tracerl.InvalidTrajectoryError, match="at least one trajectory"):
-        tracerl.TrajectoryGroup([])
+# --- the train config ----------------------------------------------------------------------
+
+BAD_TRAIN_CONFIGS = {
+    "zero-learning-rate": ({"learning_rate": 0}, "learning_rate"),
+    "misspelt-field": ({"learnign_rate": 1e-5}, "extra"),
+}
 
 
-def test_group_of_non_trajectories_rejected():
-    with pytest.raises(tracerl.InvalidTrajectoryError, match=r"trajectories\[0\] is a int"):
-        tracerl.TrajectoryGroup([1])
+@pytest.mark.parametrize("case", BAD_TRAIN_CONFIGS, ids=list(BAD_TRAIN_CONFIGS))
+def test_train_config_rejects_bad_values(case):
+    fields, message = BAD_TRAIN_CONFIGS[case]
+    with pytest.raises(ValueError, match=message):
+        tracerl.TrainConfig(**fields)
 
 
-def test_logprob_count_must_match_tokens():
-    with pytest.raises(tracerl.InvalidTrajectoryError, match="2 token ids but 1 logprobs"):
-        tracerl.CompletionRecord(token_ids=[1, 2], logprobs=[-0.1])
-
-
-def test_positive_logprob_rejected():
-    with pytest.raises(tracerl.InvalidTrajectoryError, match="not a log-probability"):
-        tracerl.CompletionRecord(token_ids=[1], logprobs=[0.5])
-
-
-def test_trajectory_created_in_rollout_scope_gets_its_id():
-    with tracerl.rollout_scope("ro-abc"):
-        t = tracerl.Trajectory(messages_and_choices=[])
-    assert t.rollout_id == "ro-abc"
-    assert tracerl.Trajectory(messages_and_choices=[]).rollout_id is None
-
-
-def test_train_config_rejects_bad_values():
-    with pytest.raises(ValueError, match="learning_rate"):
-        tracerl.TrainConfig(learning_rate=0)
-    with pytest.raises(ValueError, match="extra"):
-        tracerl.TrainConfig(learnign_rate=1e-5)
-    assert (
-        json.loads(tracerl.TrainConfig(learning_rate=1e-5).model_dump_json())["learning_rate"]
-        == 1e-5
-    )
+def test_train_config_round_trips_through_json():
+    config = tracerl.TrainConfig(learning_rate=1e-5, beta=0.05)
+    assert tracerl.TrainConfig.model_validate_json(config.model_dump_json()) == config

@@ -5,21 +5,39 @@ import pytest
 
 from tracerl.demo import demo, number_reward
 
+REWARDS = {
+    # id: (the answer, its reward for the number 4721)
+    "exactly-the-number": ("4721", 1.0),
+    "number-with-two-extra-words": ("The number is 4721.", 0.7),
+    "number-inside-a-longer-number": ("47210", 0.0),
+    "number-missing": ("no", 0.0),
+    "many-extra-words-floor-at-0.2": ("4721 " + "x " * 20, 0.2),
+}
 
-def test_number_reward():
-    assert number_reward("4721", "4721") == 1.0
-    assert number_reward("The number is 4721.", "4721") == pytest.approx(0.7)
-    assert number_reward("47210", "4721") == 0.0
-    assert number_reward("no", "4721") == 0.0
-    assert number_reward("4721 " + "x " * 20, "4721") == 0.2
+
+@pytest.mark.parametrize("answer, reward", REWARDS.values(), ids=list(REWARDS))
+def test_number_reward(answer, reward):
+    assert number_reward(answer, "4721") == pytest.approx(reward)
+
+
+@pytest.fixture(scope="module")
+async def demo_run(tmp_path_factory):
+    """``tracerl demo --steps 12`` (minutes of CPU: only the slow tests below use it)."""
+    return await demo(steps=12, engine="transformers",
+                      base_path=str(tmp_path_factory.mktemp("demo")), group_size=6,
+                      groups_per_step=4)
 
 
 @pytest.mark.slow
-async def test_demo_learns(tmp_path):
-    """Learning check (slow stage): 12 steps raise the held-out and the train reward."""
-    result = await demo(steps=12, engine="transformers", base_path=str(tmp_path), group_size=6,
-                        groups_per_step=4)
-    (_, first), (_, last) = result["evals"][0], result["evals"][-1]
-    curve = result["train_curve"]
-    assert last >= first + 0.2, result
-    assert sum(curve[-3:]) / 3 > sum(curve[:3]) / 3 + 0.2, result
+def test_demo_raises_the_held_out_reward(demo_run):
+    """Learning check (slow stage): 12 steps raise the greedy held-out reward by 0.2 or more."""
+    (_, first), (_, last) = demo_run["evals"][0], demo_run["evals"][-1]
+    assert last >= first + 0.2, demo_run
+
+
+@pytest.mark.slow
+def test_demo_raises_the_train_reward(demo_run):
+    """Learning check (slow stage): the sampled train reward of the last 3 steps beats the first
+    3 steps' by more than 0.2."""
+    curve = demo_run["train_curve"]
+    assert sum(curve[-3:]) / 3 > sum(curve[:3]) / 3 + 0.2, demo_run

@@ -4,6 +4,7 @@ import asyncio
 import os
 import signal
 import time
+from types import SimpleNamespace
 
 import httpx2
 import pytest
@@ -54,117 +55,153 @@ def hf_logprobs(model_path, prompt_ids, completion_ids, adapter=None):
     )
 
 
-async def test_vllm_logprobs_match_a_transformers_forward_pass(
-    vllm_backend, smollm2_path, tokenizer
-):
+async def greedy_call(model: tracerl.TrainableModel) -> tracerl.LLMCall:
+    """A greedy 4-token chat call through the gateway, and its record."""
+    with tracerl.rollout_scope() as ro:
+        await model.openai_client().chat.completions.create(
+            model=model.name, messages=MSGS, max_tokens=4, temperature=0)
+    (call,) = await model.fetch_calls(ro.rollout_id)
+    return call
+
+
+def max_abs_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.fixture(scope="module")
+async def sampled_call(vllm_backend):
+    """One sampled call (T=1) to the base model, and its record."""
     _, model = vllm_backend
     with tracerl.rollout_scope() as ro:
         await model.openai_client().chat.completions.create(
             model=model.name, messages=MSGS, max_tokens=8, temperature=1.0)
     (call,) = await model.fetch_calls(ro.rollout_id)
-    assert call.prompt_token_ids == render_ids(tokenizer, MSGS)
-    comp = call.completions[0]
-    ref = await asyncio.to_thread(hf_logprobs, smollm2_path, call.prompt_token_ids, comp.token_ids)
-    assert max(abs(a - b) for a, b in zip(comp.logprobs, ref, strict=True)) < 0.02
+    assert call.adapter_step == 0, "the base model must be served for this comparison"
+    return call
+
+
+def test_vllm_recorded_prompt_ids_equal_a_fresh_chat_template_tokenization(
+        sampled_call, tokenizer):
+    assert sampled_call.prompt_token_ids == render_ids(tokenizer, MSGS)
+
+
+async def test_vllm_logprobs_match_a_transformers_forward_pass(sampled_call, smollm2_path):
+    comp = sampled_call.completions[0]
+    assert len(comp.logprobs) == len(comp.token_ids) >= 1
+    ref = await asyncio.to_thread(hf_logprobs, smollm2_path, sampled_call.prompt_token_ids,
+                                  comp.token_ids)
+    assert max_abs_diff(comp.logprobs, ref) < 0.02
 
 
 async def test_vllm_streaming_is_recorded(vllm_backend):
     await check_streamed_call_is_recorded(vllm_backend[1], MSGS, max_tokens=4)
 
 
-async def test_vllm_lora_hot_swap_changes_outputs_and_matches_peft(
-    vllm_backend, smollm2_path, tmp_path
-):
-    backend, model = vllm_backend
-    client = model.openai_client()
-
-    async def greedy():
-        with tracerl.rollout_scope() as ro:
-            await client.chat.completions.create(model=model.name, messages=MSGS, max_tokens=4,
-                                                 temperature=0)
-        (call,) = await model.fetch_calls(ro.rollout_id)
-        return call
-
-    before = await greedy()
-    adapter = await asyncio.to_thread(make_random_lora, smollm2_path, tmp_path / "lora")
-    await backend.call_on_gateway(backend.gateway.models[model.name].swap_adapter(1, adapter))
-    after = await greedy()
-    assert after.adapter_step == 1
-    assert before.completions[0].logprobs != after.completions[0].logprobs
-    ref = await asyncio.to_thread(hf_logprobs, smollm2_path, after.prompt_token_ids,
-                                  after.completions[0].token_ids, adapter)
-    assert max(abs(a - b) for a, b in zip(after.completions[0].logprobs, ref, strict=True)) < 0.02
-
-
-async def test_vllm_crash_gives_503_then_restarts_with_the_served_adapter(
-        vllm_backend, smollm2_path, tmp_path):
+@pytest.fixture(scope="module")
+async def swapped(vllm_backend, smollm2_path, tmp_path_factory):
+    """A greedy call to the base model, a random LoRA hot-swapped in as step 1, the same call."""
     backend, model = vllm_backend
     route = backend.gateway.models[model.name]
-    adapter = await asyncio.to_thread(make_random_lora, smollm2_path, tmp_path / "lora", seed=7)
+    assert route.step == 0, "the swap tests need the base model to be served first"
+    before = await greedy_call(model)
+    adapter = await asyncio.to_thread(make_random_lora, smollm2_path,
+                                      tmp_path_factory.mktemp("swap") / "lora")
+    await backend.call_on_gateway(route.swap_adapter(1, adapter))
+    return SimpleNamespace(before=before, after=await greedy_call(model), adapter=adapter)
+
+
+def test_vllm_lora_hot_swap_changes_the_served_logprobs(swapped):
+    before, after = swapped.before.completions[0], swapped.after.completions[0]
+    # the first token's logprob is conditioned on the same prompt before and after the swap
+    assert before.logprobs[0] != after.logprobs[0]
+    assert before.logprobs != after.logprobs
+
+
+def test_vllm_calls_after_a_hot_swap_are_recorded_at_the_new_step(swapped):
+    assert (swapped.before.adapter_step, swapped.after.adapter_step) == (0, 1)
+
+
+async def test_vllm_serves_the_swapped_lora_as_peft_computes_it(swapped, smollm2_path):
+    after = swapped.after
+    ref = await asyncio.to_thread(hf_logprobs, smollm2_path, after.prompt_token_ids,
+                                  after.completions[0].token_ids, swapped.adapter)
+    assert max_abs_diff(after.completions[0].logprobs, ref) < 0.02
+
+
+@pytest.fixture(scope="module")
+async def crashed(vllm_backend, smollm2_path, tmp_path_factory):
+    """Serving a LoRA at step 7, vLLM's process group is killed (SIGKILL); the first call after
+    the crash, then polls until the restarted engine answers, then a greedy call again."""
+    backend, model = vllm_backend
+    route = backend.gateway.models[model.name]
+    adapter = await asyncio.to_thread(make_random_lora, smollm2_path,
+                                      tmp_path_factory.mktemp("crash") / "lora", seed=7)
     await backend.call_on_gateway(route.swap_adapter(7, adapter))
-    client = model.openai_client()
-
-    async def greedy() -> tracerl.LLMCall:
-        with tracerl.rollout_scope() as ro:
-            await client.chat.completions.create(model=model.name, messages=MSGS, max_tokens=4,
-                                                 temperature=0)
-        (call,) = await model.fetch_calls(ro.rollout_id)
-        return call
-
-    before = await greedy()
-    os.killpg(route.engine.process.pid, signal.SIGKILL)
+    before = await greedy_call(model)
+    pid = route.engine.process.pid
+    os.killpg(pid, signal.SIGKILL)
     await asyncio.to_thread(route.engine.process.wait)
     async with httpx2.AsyncClient(base_url=model.inference_base_url, timeout=60) as http:
         body = {"model": model.name, "messages": MSGS, "max_tokens": 2}
-        r = await http.post("/chat/completions", json=body)
-        assert r.status_code == 503
-        assert "unavailable" in r.json()["error"]["message"]
+        first = await http.post("/chat/completions", json=body)
         # the restart is a cold start (30-90 s on 2 cores): poll, with a deadline
         deadline = time.monotonic() + 600
         while (r := await http.post("/chat/completions", json=body)).status_code == 503:
             assert time.monotonic() < deadline, "vLLM was not restarted within 600 s"
             await asyncio.sleep(1)
-    assert r.status_code == 200
-    # the restarted engine serves the adapter it served before the crash, at the same step
-    after = await greedy()
+    assert r.status_code == 200, r.text
+    return SimpleNamespace(first=first, before=before, after=await greedy_call(model),
+                           old_pid=pid, new_pid=route.engine.process.pid)
+
+
+def test_a_call_to_a_crashed_vllm_gets_503_at_once(crashed):
+    assert crashed.first.status_code == 503, crashed.first.text
+    err = crashed.first.json()["error"]
+    assert "unavailable" in err["message"] and err["code"] == "engine_unavailable"
+
+
+def test_a_crashed_vllm_is_restarted_as_a_new_process(crashed):
+    assert crashed.new_pid != crashed.old_pid
+
+
+def test_a_restarted_vllm_serves_the_adapter_it_served_before_the_crash(crashed):
+    before, after = crashed.before, crashed.after
     assert (before.adapter_step, after.adapter_step) == (7, 7)
     assert after.completions[0].token_ids == before.completions[0].token_ids
-    assert max(abs(a - b) for a, b in zip(after.completions[0].logprobs,
-                                          before.completions[0].logprobs, strict=True)) < 0.02
+    assert max_abs_diff(after.completions[0].logprobs, before.completions[0].logprobs) < 0.02
+
+
+def cpu_engine(smollm2_path, **config) -> VLLMEngine:
+    """A vLLM engine object, not started (its command line and settings only)."""
+    from tracerl.core.engine import EngineSpec
+
+    return VLLMEngine(EngineSpec(model_path=smollm2_path, served_name="x",
+                                 lora=tracerl.LoraConfig(), config=tracerl.EngineConfig(**config)))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
 async def test_sleep_mode_is_refused_clearly_on_cpu(smollm2_path):
-    from tracerl.core.engine import EngineSpec
-
-    spec = EngineSpec(model_path=smollm2_path, served_name="x", lora=tracerl.LoraConfig(),
-                      config=tracerl.EngineConfig(sleep_during_training=True))
     with pytest.raises(tracerl.EngineError, match="needs vLLM on CUDA"):
-        await VLLMEngine(spec).start()
+        await cpu_engine(smollm2_path, sleep_during_training=True).start()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU default")
-def test_sleep_mode_defaults_to_the_device_and_memory_share_is_passed(smollm2_path):
-    from tracerl.core.engine import EngineSpec
-
-    def engine(**config):
-        return VLLMEngine(
-            EngineSpec(
-                model_path=smollm2_path,
-                served_name="x",
-                lora=tracerl.LoraConfig(),
-                config=tracerl.EngineConfig(**config),
-            )
-        )
-
-    default = engine()
+def test_sleep_mode_is_off_by_default_on_cpu(smollm2_path):
+    default = cpu_engine(smollm2_path)
     assert default.sleeps is False  # CPU: vLLM has no sleep mode; on CUDA the default is on
     assert "--enable-sleep-mode" not in default.command()
-    assert "--gpu-memory-utilization" not in default.command()
-    cmd = engine(gpu_memory_utilization=0.45).command()
+
+
+def test_gpu_memory_share_is_passed_to_vllm_only_when_set(smollm2_path):
+    assert "--gpu-memory-utilization" not in cpu_engine(smollm2_path).command()
+    cmd = cpu_engine(smollm2_path, gpu_memory_utilization=0.45).command()
     assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.45"
+
+
+@pytest.mark.parametrize("share", [1.5, 0.0, -0.1], ids=["over-1", "zero", "negative"])
+def test_a_gpu_memory_share_outside_0_to_1_is_refused(share):
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
-        tracerl.EngineConfig(gpu_memory_utilization=1.5)
+        tracerl.EngineConfig(gpu_memory_utilization=share)
 
 
 async def test_gateway_lets_more_than_100_requests_reach_vllm_at_once(vllm_backend):
@@ -176,7 +213,7 @@ async def test_gateway_lets_more_than_100_requests_reach_vllm_at_once(vllm_backe
     async def watch_vllm_queue() -> None:  # running + waiting, from vLLM's own metrics
         nonlocal peak
         async with httpx2.AsyncClient(base_url=engine.base_url, timeout=60) as http:
-            while not done.is_set():
+            while not done.is_set():  # samples until the requests are answered (not a wait)
                 lines = (await http.get("/metrics")).text.splitlines()
                 peak = max(
                     peak,
@@ -192,19 +229,25 @@ async def test_gateway_lets_more_than_100_requests_reach_vllm_at_once(vllm_backe
 
     watcher = asyncio.create_task(watch_vllm_queue())
     client = model.openai_client()
-    with tracerl.rollout_scope() as ro:
-        answers = await asyncio.gather(*(client.chat.completions.create(
-            model=model.name, messages=MSGS, max_tokens=1, temperature=0.0) for _ in range(n)))
-    done.set()
-    await watcher
-    assert len(answers) == n
+    try:
+        with tracerl.rollout_scope() as ro:
+            answers = await asyncio.gather(*(client.chat.completions.create(
+                model=model.name, messages=MSGS, max_tokens=1, temperature=0.0)
+                for _ in range(n)))
+    finally:
+        done.set()
+        await watcher
     assert peak > 100, f"at most {peak:.0f} requests were in vLLM at once"
-    assert len(await model.fetch_calls(ro.rollout_id)) == n  # every call recorded
+    # every call recorded, each answer once
+    calls = await model.fetch_calls(ro.rollout_id)
+    assert sorted(c.response["id"] for c in calls) == sorted(a.id for a in answers)
 
 
-async def test_a_stalled_vllm_is_waited_for_not_restarted(tmp_path):
-    """A busy or stalled engine is not a dead one: no cold restart within the grace period."""
-    backend = tracerl.LocalBackend(path=tmp_path, engine="vllm")
+@pytest.fixture(scope="module")
+async def stalled(tmp_path_factory):
+    """A vLLM of its own (2 s request deadline) frozen with SIGSTOP for 8 s: the call made while
+    frozen, then polls until the resumed engine answers again."""
+    backend = tracerl.LocalBackend(path=tmp_path_factory.mktemp("stall"), engine="vllm")
     model = tracerl.TrainableModel(
         name="stall", project="tests", base_model="smollm2",
         config=tracerl.ModelConfig(engine=tracerl.EngineConfig(
@@ -217,18 +260,31 @@ async def test_a_stalled_vllm_is_waited_for_not_restarted(tmp_path):
         async with httpx2.AsyncClient(base_url=model.inference_base_url, timeout=60) as http:
             os.killpg(pid, signal.SIGSTOP)  # API server and engine core frozen, process alive
             try:
-                r = await http.post("/chat/completions", json=body)
-                assert r.status_code == 504, r.text
-                await asyncio.sleep(8)  # health checks fail meanwhile
+                during = await http.post("/chat/completions", json=body)
+                # the fault being injected, not a wait: the engine stays frozen for 8 s, so the
+                # gateway's health checks fail meanwhile
+                await asyncio.sleep(8)
             finally:
                 os.killpg(pid, signal.SIGCONT)
             # a resumed engine first finishes what froze with it: on a loaded 2-core machine the
             # next call can still miss the 2 s deadline, so the same engine gets a minute to answer
             deadline = time.monotonic() + 60
-            while (r := await http.post("/chat/completions", json=body)).status_code == 504:
-                assert time.monotonic() < deadline, r.text
+            while (after := await http.post("/chat/completions", json=body)).status_code == 504:
+                assert time.monotonic() < deadline, (
+                    f"the resumed vLLM did not answer within 60 s: {after.text}")
                 await asyncio.sleep(1)
-            assert r.status_code == 200, r.text
-        assert engine.process.pid == pid and engine.alive()  # waited for, never restarted
+        yield SimpleNamespace(during=during, after=after, pid=pid,
+                              pid_now=engine.process.pid, alive=engine.alive())
     finally:
         await backend.close()
+
+
+def test_a_call_to_a_stalled_vllm_gets_504_at_its_deadline(stalled):
+    assert stalled.during.status_code == 504, stalled.during.text
+    assert stalled.during.json()["error"]["code"] == "engine_timeout"
+
+
+def test_a_stalled_vllm_is_waited_for_not_restarted(stalled):
+    """A busy or stalled engine is not a dead one: no cold restart within the grace period."""
+    assert stalled.after.status_code == 200, stalled.after.text
+    assert (stalled.pid_now, stalled.alive) == (stalled.pid, True)

@@ -1,6 +1,7 @@
 """Our GRPO loss and gradients equal TRL's GRPOTrainer._compute_loss on identical inputs."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,8 +14,7 @@ from tracerl.backend.training.trainer import Trainer
 trl = pytest.importorskip("trl")
 
 
-@pytest.fixture
-def trainer(smollm2_path):  # fresh per test: TRL adds a 'ref' adapter to the model it gets
+def fresh_trainer(smollm2_path):  # one per case: TRL adds a 'ref' adapter to the model it gets
     torch.manual_seed(0)
     tr = Trainer(smollm2_path, LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"]))
     with torch.no_grad():  # non-zero B so that the adapter matters for gradients of A
@@ -59,14 +59,19 @@ def lora_grads(model):
             if p.requires_grad and p.grad is not None}
 
 
-@pytest.mark.parametrize("loss_type, ours, beta, temperature, bias_correction", [
-    ("bnpo", "token", 0.0, 1.0, True),
-    ("grpo", "sequence", 0.04, 0.7, True),
-    ("bnpo", "token", 0.1, 1.3, False),
-])
-def test_loss_and_gradients_match_trl(
-    trainer, tokenizer, tmp_path, loss_type, ours, beta, temperature, bias_correction
-):
+CASES = {
+    # id: (TRL loss_type, our loss_normalization, beta, temperature, KL bias correction)
+    "token-no-kl": ("bnpo", "token", 0.0, 1.0, True),
+    "sequence-kl-cold": ("grpo", "sequence", 0.04, 0.7, True),
+    "token-kl-hot-no-bias-correction": ("bnpo", "token", 0.1, 1.3, False),
+}
+
+
+@pytest.fixture(scope="module", params=CASES.values(), ids=list(CASES))
+def compared(request, smollm2_path, tokenizer, tmp_path_factory):
+    """TRL's loss and LoRA gradients, then ours, on the same off-policy batch of one group."""
+    loss_type, ours, beta, temperature, bias_correction = request.param
+    trainer = fresh_trainer(smollm2_path)
     g = torch.Generator().manual_seed(3)
     B, P, C = 4, 6, 5
     prompt = torch.randint(100, 5000, (1, P), generator=g).repeat(B, 1)  # one scenario, same length
@@ -88,7 +93,8 @@ def test_loss_and_gradients_match_trl(
         ref = torch.log_softmax(ref_logits, -1).gather(-1, completion[..., None])[..., 0]
     old = current + 0.3 * torch.randn(B, C, generator=g)  # off-policy: some ratios get clipped
 
-    t = trl_trainer(model, tokenizer, tmp_path, loss_type, beta, temperature, bias_correction)
+    t = trl_trainer(model, tokenizer, tmp_path_factory.mktemp("trl"), loss_type, beta,
+                    temperature, bias_correction)
     inputs = {
         "prompt_ids": prompt,
         "prompt_mask": torch.ones_like(prompt),
@@ -99,7 +105,7 @@ def test_loss_and_gradients_match_trl(
         "ref_per_token_logps": ref,
     }
     model.zero_grad()
-    trl_loss = t._compute_loss(model, inputs)
+    trl_loss = t._compute_loss(model, inputs)  # TRL's own (private) loss: the reference
     trl_loss.backward()
     trl_loss = float(trl_loss.detach())
     trl_g = lora_grads(model)
@@ -116,11 +122,18 @@ def test_loss_and_gradients_match_trl(
                          kl_bias_correction=bias_correction)
     model.zero_grad()
     sums = trainer.backward([rows], config)
-    our_g = lora_grads(model)
+    assert sums["clip_fraction"] > 0, "the inputs must exercise the clipped branch"
+    return SimpleNamespace(trl_loss=trl_loss, trl_grads=trl_g, loss=sums["loss"],
+                           grads=lora_grads(model))
 
-    assert sums["loss"] == pytest.approx(trl_loss, rel=1e-4, abs=1e-6)
-    assert sums["clip_fraction"] > 0  # the clipped branch was exercised
-    assert trl_g.keys() == our_g.keys() and trl_g
+
+def test_our_grpo_loss_equals_trls(compared):
+    assert compared.loss == pytest.approx(compared.trl_loss, rel=1e-4, abs=1e-6)
+
+
+def test_our_lora_gradients_equal_trls(compared):
+    trl_g, our_g = compared.trl_grads, compared.grads
+    assert trl_g and trl_g.keys() == our_g.keys()
     for name in trl_g:
         scale = float(trl_g[name].abs().max())  # fp32 summation-order noise, relative to the tensor
         torch.testing.assert_close(our_g[name], trl_g[name], rtol=1e-3, atol=1e-3 * scale + 1e-9)

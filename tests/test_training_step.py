@@ -2,14 +2,18 @@
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
+import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from safetensors.torch import load_file
 
 import tracerl
 from tracerl.core.storage import ModelStore
@@ -47,38 +51,67 @@ async def test_a_step_advances_the_model_from_0_to_1(trained):
     assert (trained.step_before, await trained.model.get_step()) == (0, 1)
 
 
-async def test_a_step_writes_a_checkpoint_vllm_and_peft_can_load(trained):
+async def test_a_step_writes_a_peft_lora_checkpoint_that_peft_loads(trained, smollm2_path):
+    """The format vLLM's ``--lora-modules`` reads is peft's: loading it with peft proves it."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
     ckpt = trained.store.checkpoint_dir(1)
-    assert (ckpt / "adapter_model.safetensors").exists()
     assert json.loads((ckpt / "adapter_config.json").read_text())["peft_type"] == "LORA"
-    assert (ckpt / "optimizer.pt").exists()  # resume continues Adam where it was
+    base = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
+    loaded = dict(PeftModel.from_pretrained(base, ckpt).named_parameters())
+    saved = load_file(ckpt / "adapter_model.safetensors")
+    lora_b = [name for name in saved if "lora_B" in name]
+    assert lora_b
+    for name in lora_b:  # peft names them without the adapter name; loaded, they carry it
+        (match,) = [p for n, p in loaded.items() if n.replace(".default", "") == name]
+        assert torch.equal(match.detach(), saved[name])
+
+
+async def test_a_checkpoint_keeps_the_adam_state_for_resuming(trained):
+    import torch
+
+    state = torch.load(trained.store.checkpoint_dir(1) / "optimizer.pt")
+    moments = [s for s in state["state"].values() if "exp_avg" in s]
+    assert moments and any(float(s["exp_avg"].abs().max()) > 0 for s in moments)
 
 
 async def test_a_step_moves_the_lora_weights(trained):
-    from safetensors.torch import load_file
-
     tensors = load_file(trained.store.checkpoint_dir(1) / "adapter_model.safetensors")
     lora_b = [t for name, t in tensors.items() if "lora_B" in name]
     assert lora_b and all(float(t.abs().max()) > 0 for t in lora_b)  # peft starts B at zero
 
 
-async def test_a_step_trains_on_the_engines_own_tokens(trained):
+def sampled_tokens(group: tracerl.TrajectoryGroup) -> list[list[int]]:
+    return [c.completions[0].token_ids for t in group for c in t.llm_calls]
+
+
+async def test_a_step_trains_exactly_the_tokens_the_engine_sampled(trained):
+    m, tokens = trained.metrics, sampled_tokens(trained.groups[0])
+    assert len(tokens) == 3  # one recorded call per rollout
+    assert (m["rows"], m["rendered_rows"]) == (3, 0)
+    assert m["trained_tokens"] == sum(len(t) for t in tokens)
+
+
+async def test_trainer_and_engine_agree_on_the_sampled_tokens_logprobs(trained):
     m = trained.metrics
-    assert (m["rows"], m["rendered_rows"]) == (3, 0) and m["trained_tokens"] > 0
-    assert m["logprob_mismatch"] < 0.02  # engine and trainer agree on the sampled tokens
+    assert m["logprob_mismatch"] < 0.02  # mean |trainer - engine| per trained token
     assert abs(m["ratio"] - 1) < 0.02
 
 
 async def test_a_steps_trajectories_are_on_disk_with_their_token_records(trained):
     (saved,) = read_groups_jsonl(trained.store.trajectories_path("train", 1))
     assert [t.rollout_id for t in saved] == [t.rollout_id for t in trained.groups[0]]
-    assert all(t.llm_calls and t.llm_calls[0].prompt_token_ids for t in saved)
+    assert [[c.prompt_token_ids for c in t.llm_calls] for t in saved] == [
+        [c.prompt_token_ids for c in t.llm_calls] for t in trained.groups[0]]
+    assert sampled_tokens(saved) == sampled_tokens(trained.groups[0])
 
 
-async def test_history_records_the_step_with_its_rewards(trained):
+async def test_history_records_the_step_with_its_rewards_and_loss(trained):
     (line,) = [h for h in await trained.model.history() if h["split"] == "train"]
     assert (line["step"], line["num_trajectories"], line["reward"]) == (1, 3, 1.0)
-    assert "loss" in line
+    assert line["loss"] == trained.metrics["loss"]
 
 
 async def test_the_next_rollout_is_served_by_the_new_adapter(trained):
@@ -101,59 +134,104 @@ async def test_a_group_of_equal_rewards_is_skipped_visibly_and_trains_nothing(tf
     await model.register(backend)
     metrics = await model.train(_evaluated(1.0))
     assert (metrics["skipped"], metrics["skipped_groups"], metrics["loss"]) == (1.0, 1.0, 0.0)
+    tensors = load_file(backend.store(model).checkpoint_dir(1) / "adapter_model.safetensors")
+    lora_b = [t for name, t in tensors.items() if "lora_B" in name]
+    assert lora_b and all(float(t.abs().max()) == 0 for t in lora_b)  # still peft's zero init
 
 
-async def test_delete_checkpoints_keeps_the_newest_and_the_best_logged_metric(trained):
-    model, store = trained.model, trained.store
-    await model.log(_evaluated(0.9), split="val", metrics={"accuracy": 0.1})  # step 1
-    await model.train(_evaluated(1.0))  # a second checkpoint
-    await model.log(_evaluated(0.2), split="val", metrics={"accuracy": 0.5})  # step 2
-    # ART's default, val/reward: step 1 is the best, step 2 the newest
-    assert await model.delete_checkpoints(keep_last=1) == []
-    # by a metric name in the default split: step 2 is best and newest
-    assert await model.delete_checkpoints("accuracy", keep_last=1) == [1]
-    assert store.checkpoint_steps() == [2]
+BEST_METRICS = {
+    # id: (delete_checkpoints' keyword arguments, the steps it deletes); step 1 logs val reward
+    # 0.9 and accuracy 0.1, step 2 (the newest) val reward 0.2 and accuracy 0.5
+    "art-default-val-reward-keeps-best-and-newest": ({}, [1, 2], []),
+    "metric-name-in-val-split-best-is-newest": ({"best_checkpoint_metric": "accuracy"}, [2], [1]),
+}
 
 
-async def test_train_rejects_bad_input(tf_backend):
+@pytest.mark.parametrize("kwargs, kept, deleted", BEST_METRICS.values(), ids=list(BEST_METRICS))
+async def test_delete_checkpoints_keeps_the_newest_and_the_best_logged_metric(
+        tf_backend, kwargs, kept, deleted):
+    backend, _ = tf_backend
+    model = tracerl.TrainableModel(name=f"pruner-{uuid.uuid4().hex[:8]}", project="tests",
+                                   base_model="smollm2")
+    await model.register(backend)
+    for reward, accuracy in ((0.9, 0.1), (0.2, 0.5)):
+        await model.train(_evaluated(1.0))  # a checkpoint (skipped step: no signal, cheap)
+        await model.log(_evaluated(reward), split="val", metrics={"accuracy": accuracy})
+    assert backend.store(model).checkpoint_steps() == [1, 2]
+    assert await model.delete_checkpoints(keep_last=1, **kwargs) == deleted
+    assert backend.store(model).checkpoint_steps() == kept
+
+
+BAD_TRAIN_INPUT = {
+    "not-awaited": ([object()], "forget to await"),
+    "no-groups": ([], "no trajectory groups"),
+}
+
+
+@pytest.mark.parametrize("groups, message", BAD_TRAIN_INPUT.values(), ids=list(BAD_TRAIN_INPUT))
+async def test_train_rejects_bad_input_naming_the_mistake(tf_backend, groups, message):
     _, model = tf_backend
-    with pytest.raises(tracerl.InvalidTrajectoryError, match="forget to await"):
-        await model.train([object()])
-    with pytest.raises(tracerl.InvalidTrajectoryError, match="no trajectory groups"):
-        await model.train([])
+    with pytest.raises(tracerl.InvalidTrajectoryError, match=message):
+        await model.train(groups)
 
 
-def test_kill_9_mid_step_then_resume_loses_nothing(tmp_path):
+def lines_until(proc: subprocess.Popen, marker: str, timeout_s: float) -> list[str]:
+    """The lines ``proc`` prints up to and including ``marker``; fails after ``timeout_s``
+    (the reading happens in a thread, so a silent process cannot block the deadline)."""
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.put(line.strip())
+        lines.put(None)  # end of output
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline, seen = time.monotonic() + timeout_s, []
+    while not seen or seen[-1] != marker:
+        try:
+            line = lines.get(timeout=max(deadline - time.monotonic(), 0))
+        except queue.Empty:
+            raise AssertionError(f"waited {timeout_s} s for {marker!r}; printed: {seen}") from None
+        assert line is not None, f"exited ({proc.wait()}) before printing {marker!r}: {seen}"
+        seen.append(line)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(tmp_path_factory):
+    """``train_script.py``: step 1 trained, killed with SIGKILL while hanging inside step 2,
+    then a new process that reopens the store and trains the pending step."""
+    path = tmp_path_factory.mktemp("crashy")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRACERL_QUIET": "1"}
     script = str(ROOT / "tests" / "train_script.py")
-    proc = subprocess.Popen(
-        [sys.executable, script, str(tmp_path), "crash"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    deadline = time.time() + 400
-    lines = []
-    for line in proc.stdout:
-        lines.append(line.strip())
-        if line.startswith("HANGING") or time.time() > deadline:
-            break
-    assert "STEP 1" in lines and "HANGING" in lines, lines
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-    store = ModelStore(tmp_path, "tests", "crashy")
-    assert store.checkpoint_steps() == [1]
-    assert store.trajectories_path("train", 2).exists()  # written before training started
-
-    out = subprocess.run([sys.executable, script, str(tmp_path), "resume"], capture_output=True,
+    proc = subprocess.Popen([sys.executable, script, str(path), "crash"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True)
+    try:
+        lines = lines_until(proc, "HANGING", timeout_s=400)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    store = ModelStore(path, "tests", "crashy")
+    after_kill = SimpleNamespace(lines=lines, checkpoints=store.checkpoint_steps(),
+                                 pending_saved=store.trajectories_path("train", 2).exists())
+    out = subprocess.run([sys.executable, script, str(path), "resume"], capture_output=True,
                          text=True, env=env, timeout=400)
-    report_line = [ln for ln in out.stdout.splitlines() if ln.startswith("REPORT ")]
-    assert report_line, out.stderr[-3000:]
-    report = json.loads(report_line[0][7:])
-    assert report == {
+    report_lines = [ln for ln in out.stdout.splitlines() if ln.startswith("REPORT ")]
+    assert len(report_lines) == 1, out.stderr[-3000:]
+    return SimpleNamespace(after_kill=after_kill, report=json.loads(report_lines[0][7:]))
+
+
+def test_kill_9_mid_step_keeps_the_last_checkpoint_and_the_steps_trajectories(
+        killed_and_resumed):
+    after_kill = killed_and_resumed.after_kill
+    assert after_kill.lines[-2:] == ["STEP 1", "HANGING"]
+    assert after_kill.checkpoints == [1]  # step 2 never published a half-written checkpoint
+    assert after_kill.pending_saved  # step 2's trajectories were written before training
+
+
+def test_resume_after_kill_9_trains_the_pending_step_from_its_saved_trajectories(
+        killed_and_resumed):
+    assert killed_and_resumed.report == {
         "step_after_restart": 1,
         "pending_trajectories": 4,
         "pending_have_tokens": True,

@@ -16,7 +16,7 @@ class HangInStepTwo:
     def tracerl_before_train_step(self, model, step, groups, config):
         if step == 2:
             print("HANGING", flush=True)
-            time.sleep(600)
+            time.sleep(600)  # the injected fault: a step that stalls until the test kills it
 
 
 async def rollout(model, i):
@@ -44,7 +44,8 @@ async def main(path, mode):
         report = {"step_after_restart": await model.get_step()}
         pending = await backend.pending_groups(model)
         report["pending_trajectories"] = sum(len(g) for g in pending)
-        report["pending_have_tokens"] = all(t.llm_calls for g in pending for t in g)
+        report["pending_have_tokens"] = bool(pending) and all(
+            t.llm_calls and t.llm_calls[0].prompt_token_ids for g in pending for t in g)
         await model.train(pending, config=config)
         report["step_after_training"] = await model.get_step()
         print("REPORT " + json.dumps(report), flush=True)
