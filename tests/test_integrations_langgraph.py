@@ -16,6 +16,7 @@ from langgraph.graph import END, START, MessagesState, StateGraph
 import tracerl
 from examples.calculator_task import SYSTEM, examples, question
 from tests.conftest import render_ids
+from tracerl.backend.chat_template import apply_chat_template_override
 from tracerl.integrations.langchain import (
     TracerlCallbackHandler,
     graph_rollout,
@@ -51,48 +52,72 @@ def react_graph(agent_model):
     return create_agent(llm, tools=[add], system_prompt=SYSTEM)
 
 
-async def test_react_agent_rollouts_are_recorded_token_exactly(react_graph, agent_model, tokenizer):
+SUMS = [(3, 4), (12, 30)]
+
+
+@pytest.fixture(scope="module")
+async def react_groups(react_graph, agent_model):
+    """Two groups of two ReAct rollouts (a tool call, then the answer) on the compiled graph."""
     rollout = graph_rollout(react_graph, answer_reward)
-    sums = [(3, 4), (12, 30)]
-    groups = await tracerl.gather_trajectory_groups(
-        [tracerl.TrajectoryGroup(rollout(calc_input(a, b)) for _ in range(2)) for a, b in sums],
+    return await tracerl.gather_trajectory_groups(
+        [tracerl.TrajectoryGroup(rollout(calc_input(a, b)) for _ in range(2)) for a, b in SUMS],
         show_progress=False)
-    tokenizer = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
-    from tracerl.backend.chat_template import apply_chat_template_override
-    apply_chat_template_override(tokenizer, "chatml-tools")
-    for (a, b), group in zip(sums, groups, strict=True):
-        assert not group.exceptions
+
+
+def _each(groups):
+    for (a, b), group in zip(SUMS, groups, strict=True):
         for traj in group.trajectories:
-            assert traj.reward == 1.0 and traj.metrics["tool_messages"] == 1.0
-            assert traj.metadata["framework"] == "langgraph"
-            # two model turns: the tool call, then the answer; each with its own token record
-            first, second = traj.llm_calls
-            (tc,) = first.response["choices"][0]["message"]["tool_calls"]
-            assert json.loads(tc["function"]["arguments"]) == {"a": a, "b": b}
-            assert (
-                first.completions[0].tool_calls
-                and first.completions[0].finish_reason == "tool_calls"
-            )
-            assert f"{a} plus {b}" in first.request["messages"][-1]["content"]  # its own rollout's
-            assert second.request["messages"][-1] == {"role": "tool", "content": str(a + b),
-                                                      "tool_call_id": tc["id"]}
-            for call in (first, second):
-                assert call.prompt_token_ids == render_ids(tokenizer, call.request["messages"],
-                                                           call.request.get("tools"))
-                assert len(call.completions[0].logprobs) == len(call.completions[0].token_ids) > 0
-            # structure: graph -> model node -> chat model; graph -> tools node -> add
-            by_kind = {}
-            for s in traj.spans:
-                by_kind.setdefault(s.kind, []).append(s)
-            assert [s.name for s in by_kind["node"]] == ["model", "tools", "model"]
-            (tool_span,) = by_kind["tool"]
-            assert tool_span.name == "add" and tool_span.attributes["output"] == str(a + b)
-            assert [s.call_id for s in by_kind["llm"]] == [first.id, second.id]
-            assert first.metadata["span_path"][-2:] == ["model", "ChatOpenAI"]
-            assert by_kind["llm"][0].attributes["tool_calls"] == ["add"]
-            # the trajectory keeps the conversation LangGraph ended with
-            assert traj.messages_and_choices[-1]["role"] == "assistant"
-            assert str(a + b) in traj.messages_and_choices[-1]["content"]
+            yield a, b, traj
+
+
+async def test_react_rollouts_finish_rewarded_without_exceptions(react_groups):
+    assert [g.exceptions for g in react_groups] == [[], []]
+    for _, _, traj in _each(react_groups):
+        assert traj.reward == 1.0 and traj.metrics["tool_messages"] == 1.0
+        assert traj.metadata["framework"] == "langgraph"
+
+
+async def test_each_model_turn_of_a_rollout_has_its_own_record(react_groups):
+    for a, b, traj in _each(react_groups):
+        first, second = traj.llm_calls  # the tool call, then the answer
+        (tc,) = first.response["choices"][0]["message"]["tool_calls"]
+        assert json.loads(tc["function"]["arguments"]) == {"a": a, "b": b}
+        assert first.completions[0].tool_calls
+        assert first.completions[0].finish_reason == "tool_calls"
+        assert f"{a} plus {b}" in first.request["messages"][-1]["content"]  # its own rollout's
+        assert second.request["messages"][-1] == {"role": "tool", "content": str(a + b),
+                                                  "tool_call_id": tc["id"]}
+
+
+async def test_recorded_prompt_ids_are_the_served_templates_rendering(react_groups, tokenizer):
+    tokenizer = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    apply_chat_template_override(tokenizer, "chatml-tools")
+    for _, _, traj in _each(react_groups):
+        for call in traj.llm_calls:
+            assert call.prompt_token_ids == render_ids(tokenizer, call.request["messages"],
+                                                       call.request.get("tools"))
+            assert len(call.completions[0].logprobs) == len(call.completions[0].token_ids) > 0
+
+
+async def test_spans_mirror_the_graph_and_pair_with_the_records(react_groups):
+    for a, b, traj in _each(react_groups):
+        first, second = traj.llm_calls
+        by_kind = {}
+        for s in traj.spans:
+            by_kind.setdefault(s.kind, []).append(s)
+        # graph -> model node -> chat model; graph -> tools node -> add
+        assert [s.name for s in by_kind["node"]] == ["model", "tools", "model"]
+        (tool_span,) = by_kind["tool"]
+        assert tool_span.name == "add" and tool_span.attributes["output"] == str(a + b)
+        assert [s.call_id for s in by_kind["llm"]] == [first.id, second.id]
+        assert first.metadata["span_path"][-2:] == ["model", "ChatOpenAI"]
+        assert by_kind["llm"][0].attributes["tool_calls"] == ["add"]
+
+
+async def test_the_trajectory_keeps_the_conversation_langgraph_ended_with(react_groups):
+    for a, b, traj in _each(react_groups):
+        assert traj.messages_and_choices[-1]["role"] == "assistant"
+        assert str(a + b) in traj.messages_and_choices[-1]["content"]
 
 
 async def test_parallel_tool_calls_and_streaming(agent_model):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+from types import SimpleNamespace
 
 import pytest
 
@@ -33,8 +34,7 @@ def make_agents(tools=(add,)):
     return triage
 
 
-@pytest.fixture
-def no_remote_dns(monkeypatch):
+def _dns_tripwire(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Fail (and remember) any name lookup that is not loopback: nothing may be uploaded."""
     seen = []
     real = socket.getaddrinfo
@@ -50,7 +50,13 @@ def no_remote_dns(monkeypatch):
     return seen
 
 
-async def test_handoff_and_tool_rollouts(agent_model, tokenizer, no_remote_dns):
+SUMS = [(3, 4), (5, 3)]
+
+
+@pytest.fixture(scope="module")
+async def handoff_run(agent_model):
+    """Two concurrent rollouts (batched together by the engine) of a triage agent handing off
+    to a math agent with a tool; the 135M model does so reliably for these sums (greedy)."""
     provider = TracerlModelProvider(agent_model)
     triage = make_agents()
 
@@ -64,50 +70,64 @@ async def test_handoff_and_tool_rollouts(agent_model, tokenizer, no_remote_dns):
         return tracerl.Trajectory(reward=float(str(a + b) in result.final_output),
                                   metadata={"last_agent": result.last_agent.name})
 
-    # two concurrent rollouts (their calls are batched together by the engine); the 135M
-    # model hands off and calls the tool reliably for these (greedy), not for every sum
-    sums = [(3, 4), (5, 3)]
-    groups = await tracerl.gather_trajectory_groups(
-        [tracerl.TrajectoryGroup(rollout(a, b) for a, b in sums)], show_progress=False)
-    groups = [tracerl.TrajectoryGroup([t]) for t in groups[0].trajectories]
+    with pytest.MonkeyPatch.context() as mp:
+        lookups = _dns_tripwire(mp)
+        (group,) = await tracerl.gather_trajectory_groups(
+            [tracerl.TrajectoryGroup(rollout(a, b) for a, b in SUMS)], show_progress=False)
+    return SimpleNamespace(group=group, lookups=lookups)
+
+
+def _each(run):
+    yield from zip(SUMS, run.group.trajectories, strict=True)
+
+
+async def test_handoff_rollouts_end_with_the_math_agent_and_the_sum(handoff_run):
+    assert handoff_run.group.exceptions == []
+    for _, traj in _each(handoff_run):
+        assert traj.reward == 1.0 and traj.metadata["last_agent"] == "math_agent"
+
+
+async def test_each_agent_turn_is_recorded_with_its_tool_calls(handoff_run):
+    for (a, b), traj in _each(handoff_run):
+        _handoff, tool_call, answer = traj.llm_calls
+        names = [[t["function"]["name"] for t in c.completions[0].tool_calls or []]
+                 for c in traj.llm_calls]
+        assert names == [["transfer_to_math_agent"], ["add"], []]
+        args = json.loads(tool_call.completions[0].tool_calls[0]["function"]["arguments"])
+        assert args == {"a": a, "b": b} and str(a + b) in answer.completions[0].text
+
+
+async def test_agent_prompts_are_recorded_as_the_served_template_renders_them(
+        handoff_run, tokenizer):
     tok = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
     apply_chat_template_override(tok, "chatml-tools")
-    for (a, b), group in zip(sums, groups, strict=True):
-        assert not group.exceptions
-        for traj in group.trajectories:
-            assert traj.reward == 1.0 and traj.metadata["last_agent"] == "math_agent"
-            _handoff, tool_call, answer = traj.llm_calls
-            names = [[t["function"]["name"] for t in c.completions[0].tool_calls or []]
-                     for c in traj.llm_calls]
-            assert names == [["transfer_to_math_agent"], ["add"], []]
-            args = json.loads(tool_call.completions[0].tool_calls[0]["function"]["arguments"])
-            assert args == {"a": a, "b": b} and str(a + b) in answer.completions[0].text
-            for call in traj.llm_calls:
-                assert call.prompt_token_ids == render_ids(
-                    tok, call.request["messages"], call.request.get("tools")
-                )
-            spans = {s.id: s for s in traj.spans}
-            kinds = [s.kind for s in traj.spans]
-            assert (
-                kinds.count("agent") == 2
-                and kinds.count("handoff") == 1
-                and kinds.count("tool") == 1
-            )
-            (h,) = [s for s in traj.spans if s.kind == "handoff"]
-            assert h.name == "triage -> math_agent"
-            (t,) = [s for s in traj.spans if s.kind == "tool"]
-            assert t.name == "add" and t.attributes["output"] == str(a + b)
-            # every generation is paired with its token record, under the agent that ran it
-            assert [c.metadata["span_path"][2] for c in traj.llm_calls] == [
-                "triage",
-                "math_agent",
-                "math_agent",
-            ]
-            assert {s.call_id for s in traj.spans if s.kind == "llm"} == {
-                c.id for c in traj.llm_calls
-            }
-            assert spans[traj.llm_calls[0].metadata["span_id"]].kind == "llm"
-    assert no_remote_dns == []  # no trace upload was even attempted
+    for _, traj in _each(handoff_run):
+        for call in traj.llm_calls:
+            assert call.prompt_token_ids == render_ids(tok, call.request["messages"],
+                                                       call.request.get("tools"))
+
+
+async def test_sdk_spans_record_agents_handoff_and_tool(handoff_run):
+    for (a, b), traj in _each(handoff_run):
+        kinds = [s.kind for s in traj.spans]
+        assert (kinds.count("agent"), kinds.count("handoff"), kinds.count("tool")) == (2, 1, 1)
+        (h,) = [s for s in traj.spans if s.kind == "handoff"]
+        assert h.name == "triage -> math_agent"
+        (t,) = [s for s in traj.spans if s.kind == "tool"]
+        assert t.name == "add" and t.attributes["output"] == str(a + b)
+
+
+async def test_every_generation_pairs_with_its_record_under_its_agent(handoff_run):
+    for _, traj in _each(handoff_run):
+        spans = {s.id: s for s in traj.spans}
+        assert [c.metadata["span_path"][2] for c in traj.llm_calls] == [
+            "triage", "math_agent", "math_agent"]
+        assert {s.call_id for s in traj.spans if s.kind == "llm"} == {c.id for c in traj.llm_calls}
+        assert spans[traj.llm_calls[0].metadata["span_id"]].kind == "llm"
+
+
+async def test_no_trace_upload_is_attempted(handoff_run):
+    assert handoff_run.lookups == []
 
 
 async def test_streamed_run_is_recorded(agent_model):

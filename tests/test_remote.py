@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import gzip
-import http.client
 import json
 import os
 import subprocess
 import sys
 import time
+from http.client import HTTPConnection
 from types import SimpleNamespace
 
 import httpx2
@@ -228,7 +228,7 @@ def test_a_registration_that_is_not_json_is_refused(http):
 def raw_get(server, path: str) -> tuple[int, str]:
     """GET ``path`` byte for byte: http.client sends dot segments as they are (httpx would
     resolve ``a/../b`` to ``b`` before the server ever saw it)."""
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn = HTTPConnection("127.0.0.1", server.port, timeout=30)
     try:
         conn.request("GET", path, headers=AUTH)
         r = conn.getresponse()
