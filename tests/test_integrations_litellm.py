@@ -33,7 +33,12 @@ def logger():
     litellm.callbacks = []
 
 
-async def test_sdk_calls_are_attributed_and_paired(tf_backend, logger):
+WORDS = ["yes", "no", "maybe", "ok"]
+
+
+@pytest.fixture(scope="module")
+async def sdk_group(tf_backend, logger):
+    """Four rollouts calling ``litellm.acompletion``, every second one streamed."""
     _, model = tf_backend
 
     async def rollout(word: str, stream: bool) -> tracerl.Trajectory:
@@ -47,23 +52,38 @@ async def test_sdk_calls_are_attributed_and_paired(tf_backend, logger):
             text = "".join([c.choices[0].delta.content or "" async for c in r])
         else:
             text = r.choices[0].message.content
-        return tracerl.Trajectory(reward=1.0, metadata={"text": text, "word": word})
+        return tracerl.Trajectory(reward=1.0, metadata={"text": text, "word": word,
+                                                        "stream": stream})
 
     (group,) = await tracerl.gather_trajectory_groups(
-        [
-            tracerl.TrajectoryGroup(
-                rollout(w, stream=i % 2 == 1) for i, w in enumerate(["yes", "no", "maybe", "ok"])
-            )
-        ],
+        [tracerl.TrajectoryGroup(rollout(w, stream=i % 2 == 1) for i, w in enumerate(WORDS))],
         show_progress=False,
     )
-    assert not group.exceptions
-    for i, traj in enumerate(group.trajectories):
+    assert group.exceptions == []
+    return group
+
+
+async def test_each_sdk_call_is_recorded_under_its_rollout(sdk_group):
+    for traj in sdk_group.trajectories:
         (call,) = traj.llm_calls
         assert call.request["messages"][0]["content"] == f"Say {traj.metadata['word']}"
-        assert call.streamed == (i % 2 == 1) and call.completions[0].text == traj.metadata["text"]
+
+
+async def test_sdk_records_match_what_the_caller_received_streamed_or_not(sdk_group):
+    got = [(t.llm_calls[0].streamed, t.llm_calls[0].completions[0].text)
+           for t in sdk_group.trajectories]
+    assert got == [(t.metadata["stream"], t.metadata["text"]) for t in sdk_group.trajectories]
+    assert [streamed for streamed, _ in got] == [False, True, False, True]
+
+
+async def test_each_sdk_call_has_one_finished_litellm_span_paired_with_its_record(sdk_group):
+    for traj in sdk_group.trajectories:
         (span,) = traj.spans
-        assert span.framework == "litellm" and span.call_id == call.id and span.end_time
+        assert (span.framework, span.call_id) == ("litellm", traj.llm_calls[0].id)
+        assert span.end_time
+
+
+async def test_no_sdk_call_in_a_rollout_is_left_orphaned(sdk_group, logger):
     assert logger.recorder.orphans == []
 
 
@@ -81,9 +101,8 @@ async def test_sdk_failure_is_a_failed_span(tf_backend, logger):
     # LiteLLM reports failures from a background task
     await until(lambda: bool(ro.spans) and ro.spans[0].error is not None,
                 "LiteLLM's failure report to end the span")
-    assert len(ro.spans) == 1, [(s.id, s.name, s.error, s.attributes) for s in ro.spans]
-    (span,) = ro.spans
-    assert span.error and "no-such-model" in span.error
+    assert [s.kind for s in ro.spans] == ["llm"], [(s.name, s.error) for s in ro.spans]
+    assert "no-such-model" in ro.spans[0].error
 
 
 @pytest.fixture(scope="module")
@@ -100,60 +119,112 @@ def proxy(tf_backend, agent_model, tmp_path_factory):
         yield p
 
 
-async def test_proxy_tool_loop_from_plain_http(proxy, agent_model):
-    """An agent that speaks only HTTP (as one in any language would) trains through the proxy."""
-    assert proxy.host == "127.0.0.1"
-    tools = {"add": lambda a, b: a + b}
+def test_the_proxy_listens_on_loopback_only(proxy):
+    assert proxy.host == "127.0.0.1" and proxy.base_url.startswith("http://127.0.0.1:")
 
-    async def agent(client: httpx2.AsyncClient, rollout_id: str, a: int, b: int) -> list[dict]:
-        messages = [{"role": "system", "content": SYSTEM}, *examples(), question(a, b)]
-        for _ in range(3):
-            r = await client.post(
-                "/chat/completions",
-                headers={"x-rollout-id": rollout_id},
-                json={
-                    "model": "agent",
-                    "messages": messages,
-                    "tools": [ADD_TOOL],
-                    "temperature": 0,
-                    "max_tokens": 60,
-                },
-            )
-            r.raise_for_status()
-            message = r.json()["choices"][0]["message"]
-            messages.append(
-                {k: v for k, v in message.items() if k in ("role", "content", "tool_calls")}
-            )
-            if not message.get("tool_calls"):
-                return messages
-            for tc in message["tool_calls"]:
-                result = tools[tc["function"]["name"]](**json.loads(tc["function"]["arguments"]))
-                messages.append({"role": "tool", "tool_call_id": tc["id"], "content": str(result)})
-        return messages
 
-    async with httpx2.AsyncClient(base_url=proxy.base_url, timeout=120,
-                                 headers={"Authorization": f"Bearer {proxy.master_key}"}) as client:
+def test_the_proxy_config_routes_the_model_to_the_gateway(proxy, tf_backend):
+    backend, _ = tf_backend
+    config = json.loads((Path(proxy.directory) / "config.yaml").read_text())  # JSON is YAML
+    assert [(m["model_name"], m["litellm_params"]["model"], m["litellm_params"]["api_base"])
+            for m in config["model_list"]] == [("agent", "hosted_vllm/agent", backend.base_url)]
+
+
+def test_the_master_key_is_not_written_to_the_proxys_folder(proxy):
+    texts = [p.read_text(errors="replace") for p in Path(proxy.directory).rglob("*")
+             if p.is_file()]
+    assert texts and not any(proxy.master_key in t for t in texts)
+
+
+# LiteLLM without a database cannot look up any key but the master key: it refuses the rest
+# with 400 no_db_connection (the old check, status `in (400, 401)`, let either through)
+BAD_PROXY_KEYS = {
+    "none": ({}, 401, "auth_error"),
+    "wrong": ({"Authorization": "Bearer wrong"}, 400, "no_db_connection"),
+    "not-bearer": ({"Authorization": "wrong"}, 401, "auth_error"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_PROXY_KEYS, ids=list(BAD_PROXY_KEYS))
+async def test_the_proxy_refuses_a_request_without_the_master_key(proxy, agent_model, case):
+    headers, status, error_type = BAD_PROXY_KEYS[case]
+    rollout_id = f"ro-proxy-refused-{case}"
+    async with httpx2.AsyncClient(base_url=proxy.base_url, timeout=120) as client:
         denied = await client.post(
             "/chat/completions",
-            headers={"Authorization": "Bearer wrong"},
+            headers={**headers, "x-rollout-id": rollout_id},
             json={"model": "agent", "messages": [{"role": "user", "content": "hi"}]},
         )
-        assert denied.status_code in (400, 401)
-        runs = await asyncio.gather(
-            agent(client, "ro-proxy-a", 3, 4), agent(client, "ro-proxy-b", 12, 30)
+    assert (denied.status_code, denied.json()["error"]["type"]) == (status, error_type)
+    assert await agent_model.fetch_calls(rollout_id) == []  # it never reached the gateway
+
+
+TOOLS = {"add": lambda a, b: a + b}
+PROXY_RUNS = {"ro-proxy-a": (3, 4), "ro-proxy-b": (12, 30)}
+
+
+async def http_agent(client: httpx2.AsyncClient, rollout_id: str, a: int, b: int) -> list[dict]:
+    """A tool loop that speaks only HTTP (as an agent in any language would)."""
+    messages = [{"role": "system", "content": SYSTEM}, *examples(), question(a, b)]
+    for _ in range(3):
+        r = await client.post(
+            "/chat/completions",
+            headers={"x-rollout-id": rollout_id},
+            json={
+                "model": "agent",
+                "messages": messages,
+                "tools": [ADD_TOOL],
+                "temperature": 0,
+                "max_tokens": 60,
+            },
         )
-    for rid, (a, b), messages in zip(
-        ("ro-proxy-a", "ro-proxy-b"), [(3, 4), (12, 30)], runs, strict=True
-    ):
+        r.raise_for_status()
+        message = r.json()["choices"][0]["message"]
+        messages.append(
+            {k: v for k, v in message.items() if k in ("role", "content", "tool_calls")}
+        )
+        if not message.get("tool_calls"):
+            return messages
+        for tc in message["tool_calls"]:
+            result = TOOLS[tc["function"]["name"]](**json.loads(tc["function"]["arguments"]))
+            messages.append({"role": "tool", "tool_call_id": tc["id"], "content": str(result)})
+    return messages
+
+
+@pytest.fixture(scope="module")
+async def proxy_runs(proxy, agent_model):
+    """Two concurrent HTTP agents through the proxy: rollout id -> (a, b, messages, calls)."""
+    async with httpx2.AsyncClient(base_url=proxy.base_url, timeout=120,
+                                 headers={"Authorization": f"Bearer {proxy.master_key}"}) as client:
+        runs = await asyncio.gather(*(http_agent(client, rid, a, b)
+                                      for rid, (a, b) in PROXY_RUNS.items()))
+    return {rid: (a, b, messages, await agent_model.fetch_calls(rid))
+            for (rid, (a, b)), messages in zip(PROXY_RUNS.items(), runs, strict=True)}
+
+
+async def test_an_http_agent_gets_its_answer_through_the_proxy(proxy_runs):
+    for a, b, messages, _ in proxy_runs.values():
         assert str(a + b) in messages[-1]["content"]
-        calls = await agent_model.fetch_calls(rid)
-        assert len(calls) == 2  # the tool call and the answer, each recorded under its rollout
-        assert json.loads(calls[0].completions[0].tool_calls[0]["function"]["arguments"]) == {
-            "a": a,
-            "b": b,
-        }
+
+
+async def test_proxy_calls_are_recorded_under_the_rollout_header(proxy_runs):
+    # the tool call and the answer, each recorded under its own rollout
+    assert {rid: len(calls) for rid, (*_, calls) in proxy_runs.items()} == {
+        rid: 2 for rid in PROXY_RUNS}
+
+
+async def test_the_recorded_tool_call_has_the_agents_numbers(proxy_runs):
+    for a, b, _, calls in proxy_runs.values():
+        arguments = calls[0].completions[0].tool_calls[0]["function"]["arguments"]
+        assert json.loads(arguments) == {"a": a, "b": b}
+
+
+async def test_the_recorded_answer_call_sees_the_tool_result(proxy_runs):
+    for a, b, _, calls in proxy_runs.values():
         assert calls[1].request["messages"][-1]["content"] == str(a + b)
-        assert all(
-            len(c.completions[0].token_ids) == len(c.completions[0].logprobs) > 0 for c in calls
-        )
-    assert (Path(proxy.directory) / "config.yaml").exists()
+
+
+async def test_proxy_records_have_a_logprob_per_token(proxy_runs):
+    for *_, calls in proxy_runs.values():
+        for c in calls:
+            assert len(c.completions[0].token_ids) == len(c.completions[0].logprobs) > 0

@@ -13,7 +13,13 @@ pytest.importorskip("agents")
 from agents import Agent, ModelSettings, RunConfig, Runner, function_tool
 
 import tracerl
-from examples.calculator_task import SYSTEM, as_response_items, handoff_examples, question
+from examples.calculator_task import (
+    SYSTEM,
+    as_response_items,
+    examples,
+    handoff_examples,
+    question,
+)
 from tests.conftest import render_ids
 from tracerl.backend.chat_template import apply_chat_template_override
 from tracerl.integrations.openai_agents import TracerlModelProvider
@@ -130,23 +136,37 @@ async def test_no_trace_upload_is_attempted(handoff_run):
     assert handoff_run.lookups == []
 
 
-async def test_streamed_run_is_recorded(agent_model):
+@pytest.fixture(scope="module")
+async def streamed_run(agent_model):
+    """One streamed run of the math agent (a tool call, then the answer) in a rollout."""
     provider = TracerlModelProvider(agent_model)
     agent = Agent(name="math_agent", instructions=SYSTEM, tools=[add], model_settings=SETTINGS)
-    from examples.calculator_task import examples
-
     with tracerl.rollout_scope() as ro:
         result = Runner.run_streamed(agent, as_response_items([*examples(), question(8, 9)]),
                                      run_config=RunConfig(model_provider=provider))
         async for _ in result.stream_events():
             pass
     calls = await agent_model.fetch_calls(ro.rollout_id)
-    assert len(calls) == 2 and all(c.streamed for c in calls)
-    assert calls[0].completions[0].tool_calls and "17" in result.final_output
-    assert len(calls[1].completions[0].logprobs) == len(calls[1].completions[0].token_ids)
+    return SimpleNamespace(calls=calls, final_output=result.final_output)
 
 
-async def test_tool_crash_is_recorded_and_group_survives(agent_model):
+async def test_a_streamed_run_records_each_turn_as_streamed(streamed_run):
+    assert [c.streamed for c in streamed_run.calls] == [True, True]
+
+
+async def test_a_streamed_run_calls_the_tool_then_answers(streamed_run):
+    assert streamed_run.calls[0].completions[0].tool_calls
+    assert "17" in streamed_run.final_output
+
+
+async def test_a_streamed_runs_records_have_a_logprob_per_token(streamed_run):
+    for call in streamed_run.calls:
+        assert len(call.completions[0].logprobs) == len(call.completions[0].token_ids) > 0
+
+
+@pytest.fixture(scope="module")
+async def group_with_a_tool_crash(agent_model):
+    """Two rollouts; the tool raises in the first (13 is unlucky), not in the second."""
     provider = TracerlModelProvider(agent_model)
 
     @function_tool(failure_error_function=None)
@@ -171,8 +191,15 @@ async def test_tool_crash_is_recorded_and_group_survives(agent_model):
         max_exceptions=1,
         show_progress=False,
     )
-    assert [t.reward for t in group.trajectories] == [1.0]
-    (exc,) = group.exceptions
+    return group
+
+
+async def test_a_tool_crash_fails_only_its_rollout(group_with_a_tool_crash):
+    assert [t.reward for t in group_with_a_tool_crash.trajectories] == [1.0]
+
+
+async def test_a_tool_crash_keeps_the_tools_own_exception(group_with_a_tool_crash):
+    (exc,) = group_with_a_tool_crash.exceptions
     # the tool's own exception, chained under whatever the SDK raised
     assert "ValueError: unlucky number" in exc.traceback
 
@@ -181,4 +208,8 @@ def test_other_model_names_are_refused_clearly(agent_model):
     provider = TracerlModelProvider(agent_model, tracing=False)
     with pytest.raises(ValueError, match=r"gpt-4o.*fallback"):
         provider.get_model("gpt-4o")
+
+
+def test_a_step_of_the_model_can_be_named(agent_model):
+    provider = TracerlModelProvider(agent_model, tracing=False)
     assert provider.get_model("agent@3").inner.model == "agent@3"

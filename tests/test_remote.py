@@ -124,13 +124,17 @@ async def test_the_new_adapter_is_served_after_a_remote_step(remote_run):
     assert remote_run.served_after_step_1 == 1
 
 
-async def test_log_returns_the_metrics_it_was_given(remote_run):
-    assert remote_run.val["accuracy"] == 0.5
+async def test_log_summarises_the_groups_beside_the_given_metrics(remote_run):
+    assert (remote_run.val["reward"], remote_run.val["accuracy"]) == (1.5, 0.5)
 
 
 async def test_log_writes_a_history_line_per_split(remote_run):
     assert [(h["split"], h["step"]) for h in remote_run.history] == [("train", 1), ("val", 1)]
-    assert remote_run.history[1]["accuracy"] == 0.5
+
+
+async def test_the_val_history_line_holds_the_logged_summary(remote_run):
+    val_line = remote_run.history[1]
+    assert (val_line["reward"], val_line["accuracy"]) == (1.5, 0.5)
 
 
 async def test_log_saves_the_logged_groups_on_the_server(remote_run):
@@ -216,7 +220,7 @@ BAD_REGISTRATIONS = {
 def test_a_bad_registration_is_refused_naming_the_problem(http, case):
     body, message = BAD_REGISTRATIONS[case]
     r = http.post("/api/v1/models", json=body, headers=AUTH)
-    assert r.status_code == 400, r.text
+    assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_config"), r.text
     assert message in r.json()["error"]["message"]
 
 

@@ -1,6 +1,7 @@
 """RULER against a judge that misbehaves on purpose, and the plugin route."""
 
 import json
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -42,26 +43,42 @@ def by_answer(g):
     return {t.messages()[-1]["content"]: t.reward for t in g}
 
 
-async def test_scores_are_matched_by_id_and_shared_context_sent_once(judge):
-    g = group("bought red shoe for $10", "gave up", "bought blue shoe")
-    scores = {
-        trajectory_id([{"role": "assistant", "content": a}]): s
-        for a, s in [("bought red shoe for $10", 0.9), ("gave up", 0.1), ("bought blue shoe", 0.4)]
-    }
+ANSWER_SCORES = {"bought red shoe for $10": 0.9, "gave up": 0.1, "bought blue shoe": 0.4}
+
+
+@pytest.fixture
+async def scored_by_id(judge):
+    """A group judged by a judge that lists its scores in reverse order (``good``), so only
+    matching by trajectory id gives each answer its score."""
+    g = group(*ANSWER_SCORES)
+    scores = {trajectory_id([{"role": "assistant", "content": a}]): s
+              for a, s in ANSWER_SCORES.items()}
     server, ruler = judge(good(lambda tid, k: scores[tid]))
     out = await ruler.score_group(g)
-    assert by_answer(out) == {
-        "bought red shoe for $10": 0.9,
-        "gave up": 0.1,
-        "bought blue shoe": 0.4,
-    }
-    assert [t.metrics["independent_reward"] for t in out] == [0.0, 1.0, 2.0]
-    prompt = server.requests[0]["messages"][-1]["content"]
-    assert prompt.count("Buy the cheapest red shoe.") == 1  # the shared prefix, once
-    assert "<shared_context>" in prompt
-    assert server.requests[0]["response_format"]["type"] == "json_schema"
-    meta = out.metadata["ruler"]
-    assert meta["shared_messages"] == 2 and meta["calls"] == 1 and meta["prompt_tokens"] == 100
+    return SimpleNamespace(out=out, request=server.requests[0],
+                           prompt=server.requests[0]["messages"][-1]["content"])
+
+
+async def test_scores_are_matched_by_trajectory_id(scored_by_id):
+    assert by_answer(scored_by_id.out) == ANSWER_SCORES
+
+
+async def test_the_reward_before_judging_is_kept_as_independent_reward(scored_by_id):
+    assert [t.metrics["independent_reward"] for t in scored_by_id.out] == [0.0, 1.0, 2.0]
+
+
+async def test_the_shared_prefix_is_sent_once_as_shared_context(scored_by_id):
+    assert scored_by_id.prompt.count("Buy the cheapest red shoe.") == 1
+    assert "<shared_context>" in scored_by_id.prompt
+
+
+async def test_the_judge_is_asked_for_structured_output(scored_by_id):
+    assert scored_by_id.request["response_format"]["type"] == "json_schema"
+
+
+async def test_the_group_records_how_it_was_judged(scored_by_id):
+    meta = scored_by_id.out.metadata["ruler"]
+    assert (meta["shared_messages"], meta["calls"], meta["prompt_tokens"]) == (2, 1, 100)
     assert meta["latency_s"] > 0
 
 
@@ -73,37 +90,46 @@ async def test_malformed_json_is_retried(judge):
     assert sorted(t.reward for t in out) == [0.5, 0.6]
 
 
-@pytest.mark.parametrize(
-    "bad, needle",
-    [
-        (
-            lambda r, ids: json.dumps(
-                {"scores": [{"trajectory_id": "t0000000000", "explanation": "", "score": 1}]}
-            ),
-            "unknown trajectory id",
+INVALID_ANSWERS = {
+    "unknown-id": (
+        lambda r, ids: json.dumps(
+            {"scores": [{"trajectory_id": "t0000000000", "explanation": "", "score": 1}]}
         ),
-        (
-            lambda r, ids: json.dumps(
-                {"scores": [{"trajectory_id": i, "explanation": "", "score": 7} for i in ids]}
-            ),
-            "not a number in [0, 1]",
+        "unknown trajectory id",
+    ),
+    "score-out-of-range": (
+        lambda r, ids: json.dumps(
+            {"scores": [{"trajectory_id": i, "explanation": "", "score": 7} for i in ids]}
         ),
-        (
-            lambda r, ids: json.dumps(
-                {"scores": [{"trajectory_id": ids[0], "explanation": "", "score": 1}]}
-            ),
-            "did not score",
+        "not a number in [0, 1]",
+    ),
+    "a-trajectory-unscored": (
+        lambda r, ids: json.dumps(
+            {"scores": [{"trajectory_id": ids[0], "explanation": "", "score": 1}]}
         ),
-    ],
-)
-async def test_invalid_answers_fail_clearly_after_retries_or_are_swallowed(judge, bad, needle):
+        "did not score",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", INVALID_ANSWERS, ids=list(INVALID_ANSWERS))
+async def test_invalid_answers_fail_clearly_after_retries(judge, case):
+    bad, needle = INVALID_ANSWERS[case]
     server, ruler = judge(bad, max_retries=2)
     g = group("a", "b")
     with pytest.raises(RulerError, match="after 3 attempts") as e:
         await ruler.score_group(g)
     assert needle in str(e.value) and len(server.requests) == 3
     assert [t.reward for t in g] == [0.0, 1.0]  # untouched
+
+
+@pytest.mark.parametrize("case", INVALID_ANSWERS, ids=list(INVALID_ANSWERS))
+async def test_invalid_answers_are_swallowed_on_request(judge, case):
+    bad, _ = INVALID_ANSWERS[case]
+    _, ruler = judge(bad, max_retries=2)
+    g = group("a", "b")
     assert await ruler.score_group(g, swallow_exceptions=True) is None
+    assert [t.reward for t in g] == [0.0, 1.0]  # untouched
 
 
 async def test_a_stalled_judge_times_out(judge):
@@ -112,11 +138,16 @@ async def test_a_stalled_judge_times_out(judge):
         await ruler.score_group(group("a", "b"))
 
 
-async def test_identical_trajectories_get_identical_scores_and_are_sent_once(judge):
+async def test_identical_trajectories_get_identical_scores(judge):
+    _, ruler = judge(good(lambda tid, k: 0.2 + 0.3 * k))
+    first, other, same = (t.reward for t in await ruler.score_group(group("same", "other",
+                                                                           "same")))
+    assert first == same != other
+
+
+async def test_identical_trajectories_are_sent_once(judge):
     server, ruler = judge(good(lambda tid, k: 0.2 + 0.3 * k))
-    out = await ruler.score_group(group("same", "other", "same"))
-    r = [t.reward for t in out]
-    assert r[0] == r[2] and r[0] != r[1]
+    await ruler.score_group(group("same", "other", "same"))
     assert server.requests[0]["messages"][-1]["content"].count("<trajectory id=") == 2
 
 
@@ -124,7 +155,8 @@ async def test_answers_are_cached_on_disk(judge, tmp_path):
     server, ruler = judge(good(lambda tid, k: 0.3 + 0.2 * k), cache_dir=tmp_path)
     first = by_answer(await ruler.score_group(group("a", "b")))
     again = await ruler.score_group(group("a", "b"))
-    assert by_answer(again) == first and len(server.requests) == 1
+    assert len(server.requests) == 1  # the second group was not sent
+    assert by_answer(again) == first
     assert again.metadata["ruler"]["cache_hits"] == 1
 
 
@@ -151,20 +183,25 @@ async def test_large_groups_are_chunked_around_a_shared_anchor(judge):
     server, ruler = judge(biased, chunk_size=3)
     out = await ruler.score_group(group(*[f"answer {i}" for i in range(5)]))
     assert len(server.requests) == 2
-    anchor = calls[0][0]
-    assert all(anchor == c[0] for c in calls)
+    anchor = trajectory_id([{"role": "assistant", "content": "answer 0"}])
+    assert [c[0] for c in calls] == [anchor, anchor]  # both chunks start with the anchor
     rewards = [t.reward for t in out]  # anchor = the mean of its chunk scores; gaps stay true
     assert [round(r - rewards[0], 6) for r in rewards] == [0.0, 0.1, 0.2, 0.3, 0.4]
 
 
-def test_parse_scores_rejects_duplicates_and_booleans():
-    with pytest.raises(ValueError, match="twice"):
-        parse_scores(
-            '{"scores": [{"trajectory_id": "a", "score": 1}, {"trajectory_id": "a", "score": 1}]}',
-            ["a"],
-        )
-    with pytest.raises(ValueError, match="not a number"):
-        parse_scores('{"scores": [{"trajectory_id": "a", "score": true}]}', ["a"])
+BAD_SCORE_LISTS = {
+    "duplicate-id": (
+        '{"scores": [{"trajectory_id": "a", "score": 1}, {"trajectory_id": "a", "score": 1}]}',
+        "twice"),
+    "boolean-score": ('{"scores": [{"trajectory_id": "a", "score": true}]}', "not a number"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_SCORE_LISTS, ids=list(BAD_SCORE_LISTS))
+def test_parse_scores_rejects_a_bad_score_list(case):
+    text, needle = BAD_SCORE_LISTS[case]
+    with pytest.raises(ValueError, match=needle):
+        parse_scores(text, ["a"])
 
 
 async def test_ruler_as_after_each_and_as_plugin(judge, monkeypatch):
