@@ -63,6 +63,10 @@ LOGGER_SETTINGS = {
     "quiet": ({"TRACERL_QUIET": "1"}, []),
     "console-by-default": ({"TRACERL_QUIET": "0"}, ["console_logger"]),
     "wandb-when-named": ({"TRACERL_QUIET": "1", "TRACERL_LOGGERS": "wandb"}, ["wandb_logger"]),
+    "console-and-langfuse": ({"TRACERL_QUIET": "0", "TRACERL_LOGGERS": "console, langfuse"},
+                             ["console_logger", "langfuse_logger"]),
+    "weave-and-wandb": ({"TRACERL_QUIET": "1", "TRACERL_LOGGERS": "weave,wandb"},
+                        ["wandb_logger", "weave_logger"]),
 }
 
 
