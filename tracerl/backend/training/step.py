@@ -10,6 +10,7 @@ middle, the part that touches the weights (run in a worker thread).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 from ...core.backend import TrainEvent
 from ...core.config import TrainConfig
 from ...core.metrics import summarize_groups
-from ...core.storage import ModelStore, atomic_directory
+from ...core.storage import STEP_METRICS, ModelStore, atomic_directory, atomic_write_text
 from ...core.trajectory import TrajectoryGroup, write_groups_jsonl
 from .advantages import group_advantages
 from .rows import Row, RowStats, rows_from_calls, rows_from_messages
@@ -49,6 +50,7 @@ async def train_step(step: int, groups: list[TrajectoryGroup], config: TrainConf
     """Train checkpoint ``step`` on ``groups``; yields started, heartbeats, done."""
     # 1. save the groups: a step's data is on disk before anything trains on it (a crashed
     #    step is trained again from this file: backend.pending_groups)
+    store.recover()  # a history line lost to a failed write or a crash comes back first
     write_groups_jsonl(store.trajectories_path("train", step), groups)
     yield TrainEvent("started", step)
     started = time.perf_counter()
@@ -64,13 +66,16 @@ async def train_step(step: int, groups: list[TrajectoryGroup], config: TrainConf
         metrics = update.result()
     finally:
         await serving.wake_up()
-    # 6. atomic checkpoint: the folder appears whole, or not at all
+    metrics = {**summarize_groups(groups), **metrics, "seconds": time.perf_counter() - started}
+    # 6. atomic checkpoint: the folder appears whole, or not at all, with the step's metrics in
+    #    it, so that a crash before the history line is written loses nothing
+    #    (ModelStore.recover writes the line again from them)
     with atomic_directory(store.checkpoint_dir(step)) as tmp:
         await asyncio.to_thread(policy.save, tmp)
+        atomic_write_text(tmp / STEP_METRICS, json.dumps(metrics, allow_nan=False))
+    store.log_history(step, "train", metrics)
     # 7. publish: the next rollouts are served by the new adapter
     await serving.publish(step, store.checkpoint_dir(step))
-    metrics = {**summarize_groups(groups), **metrics, "seconds": time.perf_counter() - started}
-    store.log_history(step, "train", metrics)
     yield TrainEvent("done", step, metrics=metrics)
 
 
