@@ -186,9 +186,31 @@ def atomic_directory(final: Path) -> Iterator[Path]:
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise storage_error(e, "folder", final) from e
+    except Exception as e:  # a library's writer (safetensors, torch) hides the OSError
+        shutil.rmtree(tmp, ignore_errors=True)
+        hidden = _hidden_os_error(e, final.parent)
+        if hidden is None:
+            raise
+        raise storage_error(hidden, "folder", final) from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _hidden_os_error(e: Exception, folder: Path) -> OSError | None:
+    """The OS error behind a library's write error: the ``(os error N)`` of Rust writers, else
+    a full disk seen by ``statvfs``; None when the failure is not the disk's."""
+    found = re.search(r"os error (\d+)", str(e))
+    if found:
+        code = int(found.group(1))
+        return OSError(code, os.strerror(code))
+    try:
+        stat = os.statvfs(folder)
+    except OSError:
+        return None
+    if stat.f_bavail * stat.f_frsize < 64 * 1024:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return None
 
 
 class ModelStore:
