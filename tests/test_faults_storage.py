@@ -21,6 +21,7 @@ from tracerl.core.storage import ModelStore, read_jsonl
 from .faults_support import CONFIG, tiny_groups
 from .remote_server import API_KEY, ROOT, ServerProcess
 
+WIDE_METRICS = {f"a_metric_with_a_long_name_{i}": 1.0 for i in range(40)}
 WRITES = ["history", "call record", "trajectories", "checkpoint", "marker"]
 
 
@@ -82,12 +83,12 @@ async def server_out_of_space(tmp_path_factory):
         await model.register(backend)
         await model.train(tiny_groups(1))
         _, hard = resource.prlimit(srv.proc.pid, resource.RLIMIT_FSIZE)
-        limit = store.history_path.stat().st_size + 10  # the next history line tears at 10 bytes
-        resource.prlimit(srv.proc.pid, resource.RLIMIT_FSIZE, (limit, hard))
-        out["sizes_before"] = {p.name: p.stat().st_size for p in store.root.rglob("*.jsonl")}
+        # 1 KiB: a step's groups fit, its checkpoint does not; the log's history line tears
+        assert store.history_path.stat().st_size < 1000
+        resource.prlimit(srv.proc.pid, resource.RLIMIT_FSIZE, (1024, hard))
         for what, attempt in {
             "train": lambda: model.train(tiny_groups(2)),
-            "log": lambda: model.log(tiny_groups(3), split="val", metrics={"m": 1.0}),
+            "log": lambda: model.log(tiny_groups(3), split="val", metrics=WIDE_METRICS),
             "train again": lambda: model.train(tiny_groups(4)),
             "call": lambda: model.openai_client().chat.completions.create(
                 model=model.name, messages=[{"role": "user", "content": "hi " * 200}],
@@ -106,6 +107,8 @@ async def server_out_of_space(tmp_path_factory):
         out["history"] = [(h["step"], h["split"]) for h in read_jsonl(store.history_path,
                                                                       torn=torn)]
         out["torn"] = torn
+        out["superseded"] = sorted(
+            p.name for p in (store.root / "trajectories" / "train" / "superseded").iterdir())
     finally:
         await backend.close()
         srv.stop()
@@ -128,6 +131,10 @@ async def test_a_call_that_cannot_be_recorded_is_answered_507_disk_full(server_o
 async def test_the_queue_trains_the_next_step_once_space_is_back(server_out_of_space):
     assert server_out_of_space["step"] == 2
     assert server_out_of_space["checkpoints"] == [1, 2]
+
+
+async def test_the_groups_of_failed_attempts_are_kept_not_overwritten(server_out_of_space):
+    assert server_out_of_space["superseded"] == ["0002.1.jsonl", "0002.2.jsonl"]
 
 
 async def test_history_has_no_torn_line_and_no_line_of_a_failed_write(server_out_of_space):

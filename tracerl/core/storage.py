@@ -240,6 +240,26 @@ class ModelStore:
         validate_name("rollout id", rollout_id)
         return self.root / "calls" / f"{rollout_id}.jsonl"
 
+    def set_aside(self, path: Path, keep_if: bytes) -> Path | None:
+        """Move ``path`` (a recorded file about to be written again, e.g. the trajectories of a
+        step that failed and is sent anew) to ``superseded/`` beside it, unless it holds
+        ``keep_if`` already: recorded files are never overwritten. Returns where it went."""
+        try:
+            if path.read_bytes() == keep_if:
+                return None
+        except FileNotFoundError:
+            return None
+        aside = path.parent / "superseded"
+        try:
+            aside.mkdir(exist_ok=True)
+            n = 1 + len(list(aside.glob(f"{path.stem}.*{path.suffix}")))
+            target = aside / f"{path.stem}.{n}{path.suffix}"
+            os.replace(path, target)
+        except OSError as e:
+            raise storage_error(e, "superseded file", path) from e
+        log.warning("%s was recorded by an earlier attempt of the step: kept as %s", path, target)
+        return target
+
     def checkpoint_steps(self) -> list[int]:
         """Steps with a complete checkpoint, ascending (temporary folders are ignored)."""
         if not self.checkpoints_dir.exists():

@@ -21,7 +21,7 @@ from ...core.backend import TrainEvent
 from ...core.config import TrainConfig
 from ...core.metrics import summarize_groups
 from ...core.storage import STEP_METRICS, ModelStore, atomic_directory, atomic_write_text
-from ...core.trajectory import TrajectoryGroup, write_groups_jsonl
+from ...core.trajectory import TrajectoryGroup, group_lines, write_groups_jsonl
 from .advantages import group_advantages
 from .rows import Row, RowStats, rows_from_calls, rows_from_messages
 
@@ -51,7 +51,9 @@ async def train_step(step: int, groups: list[TrajectoryGroup], config: TrainConf
     # 1. save the groups: a step's data is on disk before anything trains on it (a crashed
     #    step is trained again from this file: backend.pending_groups)
     store.recover()  # a history line lost to a failed write or a crash comes back first
-    write_groups_jsonl(store.trajectories_path("train", step), groups)
+    saved = store.trajectories_path("train", step)
+    store.set_aside(saved, keep_if=group_lines(groups).encode())  # an earlier attempt's groups
+    write_groups_jsonl(saved, groups)
     yield TrainEvent("started", step)
     started = time.perf_counter()
     await serving.sleep()
