@@ -79,7 +79,7 @@ def graph(runtime_only: bool = False) -> dict[str, set[str]]:
 
 
 # packages at the top (ART's import paths), like the modules directly in tracerl/
-TOP_PACKAGES = {"utils"}
+TOP_PACKAGES = {"utils", "local"}
 
 
 def stage(module: str) -> str | None:

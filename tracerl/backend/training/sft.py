@@ -15,18 +15,14 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from ...core.backend import TrainEvent
 from ...core.config import TrainSFTConfig
 from ...core.errors import ConfigError
 from ...core.storage import ModelStore
 from ...core.trajectory import Trajectory, TrajectoryGroup, write_groups_jsonl
 from ..chat_template import render_prompt
-from .loss import token_logprobs
 from .rows import Row
 from .step import Serving, run_update
-from .trainer import micro_batches, return_freed_memory
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -73,6 +69,10 @@ def sft_update(policy: Trainer, trajectories: list[Trajectory], config: TrainSFT
                ) -> dict[str, float]:
     """Batches of ``config.batch_size`` trajectories, one optimizer step each at its learning
     rate; the loss is the mean negative log-likelihood of the batch's assistant tokens."""
+    import torch
+
+    from .trainer import return_freed_memory
+
     try:
         return _sft_update(policy, trajectories, config)
     finally:
@@ -84,6 +84,11 @@ def sft_update(policy: Trainer, trajectories: list[Trajectory], config: TrainSFT
 
 def _sft_update(policy: Trainer, trajectories: list[Trajectory], config: TrainSFTConfig
                 ) -> dict[str, float]:
+    import torch
+
+    from .loss import token_logprobs
+    from .trainer import micro_batches
+
     size = config.resolved_batch_size
     batches = [trajectories[i:i + size] for i in range(0, len(trajectories), size)]
     rates = (iter(config.learning_rate) if isinstance(config.learning_rate, list)
