@@ -13,7 +13,7 @@ import math
 import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from ..core.config import TrainSFTConfig
 from ..core.errors import InvalidTrajectoryError
@@ -45,6 +45,48 @@ def create_lr_schedule(total_steps: int, peak_lr: float, method: Schedule = "lin
         else:
             rates.append(peak_lr)
     return rates
+
+
+class SFTChunk(NamedTuple):
+    """Conversations for one ``model.train_sft`` call, with their slice of the schedule."""
+
+    trajectories: list[Trajectory]
+    config: TrainSFTConfig
+    step: int
+    epoch: int
+    epoch_step: int
+
+
+def create_sft_dataset_iterator(
+    trajectories: list[Trajectory], chunk_size: int = 10, epochs: int = 1, batch_size: int = 2,
+    peak_lr: float = 2e-4, schedule_type: Schedule = "linear", warmup_ratio: float = 0.1,
+    shuffle: bool = True, seed: int = 42, initial_step: int = 0, show_progress: bool = True,
+) -> Iterator[SFTChunk]:
+    """``trajectories`` in chunks of ``chunk_size`` batches, one ``model.train_sft`` call each
+    (ART's): every epoch shuffled with ``seed + epoch``, the learning rate schedule computed
+    over all batches and sliced per chunk; chunks before batch ``initial_step`` are skipped."""
+    del show_progress
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if not trajectories:
+        return
+    per_epoch = math.ceil(len(trajectories) / batch_size)
+    schedule = create_lr_schedule(per_epoch * epochs, peak_lr, schedule_type,
+                                  int(per_epoch * epochs * warmup_ratio))
+    per_chunk = batch_size * chunk_size
+    chunks_per_epoch = math.ceil(len(trajectories) / per_chunk)
+    for epoch in range(epochs):
+        order = list(trajectories)
+        if shuffle:
+            random.Random(seed + epoch).shuffle(order)
+        for chunk in range(chunks_per_epoch):
+            if epoch * chunks_per_epoch + chunk < initial_step // chunk_size:
+                continue
+            items = order[chunk * per_chunk:(chunk + 1) * per_chunk]
+            first_batch = epoch * per_epoch + chunk * chunk_size
+            rates = schedule[first_batch:first_batch + math.ceil(len(items) / batch_size)]
+            yield SFTChunk(items, TrainSFTConfig(learning_rate=rates, batch_size=batch_size),
+                           step=first_batch, epoch=epoch, epoch_step=chunk * chunk_size)
 
 
 def _jsonl(file_path: str | Path) -> Path:
