@@ -22,7 +22,6 @@ from tests.art_docs import (
 from tests.test_art_compat import judge_for_art
 from tracerl.core.trajectory import read_groups_jsonl
 
-
 BASE_NAME = "SmolLM2-135M-Instruct"  # how the gateway names the base model it serves
 
 
@@ -88,7 +87,7 @@ async def test_internal_config_set_after_construction_takes_effect(client_page):
 
 
 async def test_internal_config_set_after_register_is_refused(client_page):
-    with pytest.raises(tracerl.ConfigError, match="before `await model.register"):
+    with pytest.raises(tracerl.ConfigError, match=r"before `await model\.register"):
         client_page.model._internal_config = tracerl.dev.InternalModelConfig()
 
 
@@ -217,3 +216,27 @@ async def test_benchmark_rows_carry_reward_and_messages(benchmark):
     row = next(r for r in benchmark if r["split"] == "val")
     assert row["reward"] in (0.0, 1.0) and row["messages"][0]["role"] == "user"
     json.dumps(row)  # plain data, ready for a DataFrame
+
+
+# --- LangGraph ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+async def langgraph_page(backend):
+    pytest.importorskip("langgraph")
+    from tests.art_docs import langgraph_agent
+
+    model, groups, result = await langgraph_agent.main(backend)
+    return SimpleNamespace(model=model, groups=groups, result=result)
+
+
+async def test_langgraph_rollouts_are_recorded_call_by_call(langgraph_page):
+    (group,) = langgraph_page.groups
+    assert group.exceptions == [] and len(group) == 2
+    assert all(t.llm_calls and t.messages()[-1]["role"] == "assistant" for t in group)
+
+
+async def test_langgraph_page_trains_a_step_on_the_recorded_tokens(langgraph_page):
+    result = langgraph_page.result
+    assert result.step == 1 and result.metrics["trained_tokens"] > 0
+    assert result.metrics["rendered_rows"] == 0
