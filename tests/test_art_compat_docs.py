@@ -240,3 +240,26 @@ async def test_langgraph_page_trains_a_step_on_the_recorded_tokens(langgraph_pag
     result = langgraph_page.result
     assert result.step == 1 and result.metrics["trained_tokens"] > 0
     assert result.metrics["rendered_rows"] == 0
+
+
+# --- ART's examples, shrunk -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["2048", "tic-tac-toe", "temporal-clue"])
+async def game(request, backend):
+    from tests.art_docs import games
+
+    model, groups, result = await games.main(backend, request.param)
+    return SimpleNamespace(name=request.param, groups=groups, result=result,
+                           history=await model.history())
+
+
+async def test_each_example_trains_a_step_on_its_multi_turn_rollouts(game):
+    (group,) = game.groups
+    assert len(group) == 2 and all(t.llm_calls for t in group)
+    assert game.result.step == 1 and game.result.metrics["trained_tokens"] > 0
+
+
+async def test_each_example_logs_its_metrics_at_the_trained_step(game):
+    logged = train_lines(game.history)[-1]
+    assert logged["step"] == 1 and logged["loss"] == game.result.metrics["loss"]
