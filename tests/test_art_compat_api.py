@@ -5,6 +5,7 @@ Model-backed facts run on the shared transformers backend (SmolLM2)."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from types import SimpleNamespace
 
@@ -493,3 +494,26 @@ async def test_remote_backend_train_refuses_before_sending(remote_step):
 
 async def test_remote_model_log_writes_at_the_given_step(remote_step):
     assert [(h["split"], h["step"]) for h in remote_step.history] == [("train", 1)] * 2
+
+
+# --- ART's default loss -----------------------------------------------------------------------
+
+
+def test_cispo_gradient_is_the_clipped_weight_times_the_advantage_times_grad_logp():
+    """CISPO (ART 0.5's default): d loss / d logp = -clip(r, 1 - eps, 1 + eps_high) * A, the
+    weight held constant, where PPO's clipped tokens get no gradient at all."""
+    import torch
+
+    from tracerl.backend.training.loss import grpo_per_token_loss
+
+    old = torch.zeros(1, 3)
+    adv = torch.tensor([2.0])
+    grads = {}
+    for loss_fn in ("cispo", "ppo"):
+        logp = torch.tensor([[0.0, 0.5, -0.5]], requires_grad=True)  # r = 1, e^0.5, e^-0.5
+        loss, _ = grpo_per_token_loss(logp, old, adv, epsilon=0.2, epsilon_high=0.2,
+                                      loss_fn=loss_fn)
+        loss.sum().backward()
+        grads[loss_fn] = logp.grad[0].tolist()
+    assert grads["cispo"] == pytest.approx([-2.0, -2.0 * 1.2, -2.0 * 0.8])
+    assert grads["ppo"] == pytest.approx([-2.0, 0.0, -2.0 * math.exp(-0.5)])
