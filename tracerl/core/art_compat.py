@@ -4,10 +4,25 @@
 Every behaviour that exists only because ART has it, and where it lives:
 
 Import paths (thin modules at the top of the package):
-- ``tracerl.local`` (``LocalBackend``), ``tracerl.utils`` (``iterate_dataset``,
-  ``limit_concurrency``), ``tracerl.dev`` (ART's config dicts), ``tracerl.rewards``
-  (``ruler_score_group``, ``ruler``), ``tracerl.langgraph`` (``init_chat_model``,
-  ``wrap_rollout``); ``tracerl/__init__.py`` exports the ART aliases in their own block.
+- ``tracerl.local`` (``LocalBackend``; ``tracerl.local.backend``), ``tracerl.utils``
+  (``iterate_dataset``, ``limit_concurrency``, ``retry``; ``utils.sft``, ``utils.deployment``,
+  ``utils.benchmarking``, ``utils.strip_logprobs``), ``tracerl.dev`` (ART's config dicts),
+  ``tracerl.rewards`` (``ruler_score_group``, ``ruler``), ``tracerl.langgraph``
+  (``init_chat_model``, ``wrap_rollout``); ``tracerl/__init__.py`` exports the ART aliases in
+  their own block (``TrainResult``, ``TrainSFTConfig``, ``Messages``, ``LoRAConfig``, the
+  capture scopes, ``retry``, ``trajectory_group_batches``).
+
+ART 0.5's API (beside ``model.train``):
+- ``await backend.train(model, groups, **kwargs) -> TrainResult`` (``core/backend.py``), its
+  keywords translated by :func:`train_config_from_art_kwargs`; the step itself is
+  ``Backend.train_events``. ``TrainConfig(loss_fn="cispo")`` is ART's default loss.
+- ``model.log(trajectories=None, split, *, metrics=, step=)``, ``model.train_sft``,
+  ``model._internal_config = ...`` after construction (``rollout/model.py``); comparison models
+  that register for logging only (``backend/local.py``).
+- Capture scopes: ``with Trajectory():``, ``current_trajectory``, ``no_capture``
+  (``core/trajectory.py``), ``trajectory``/``trajectory_group`` and the older names
+  (``rollout/capture.py``), ``trajectory_group_batches`` (``rollout/gather.py``).
+- ``iterate_dataset``'s default order is ART's (``rollout/dataset.py``).
 
 Data model (``core/trajectory.py``):
 - ``TrajectoryGroup(rollout_coroutines)`` returns an awaitable ``PendingTrajectoryGroup``
