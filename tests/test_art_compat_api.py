@@ -397,6 +397,11 @@ async def test_logging_groups_a_step_saved_does_not_duplicate_them(logged):
     assert len(read_groups_jsonl(logged.store.trajectories_path("val", 1))) == 2
 
 
+async def test_model_log_averages_group_metrics(logged):
+    val = [h for h in logged.history if h["split"] == "val" and h["step"] == 1]
+    assert val[0]["group_metrics/group_metric"] == 2.0
+
+
 async def test_model_log_needs_something_to_log(scoped):
     with pytest.raises(tracerl.InvalidTrajectoryError, match="metrics="):
         await scoped.model.log()

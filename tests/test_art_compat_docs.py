@@ -263,3 +263,76 @@ async def test_each_example_trains_a_step_on_its_multi_turn_rollouts(game):
 async def test_each_example_logs_its_metrics_at_the_trained_step(game):
     logged = train_lines(game.history)[-1]
     assert logged["step"] == 1 and logged["loss"] == game.result.metrics["loss"]
+
+
+# --- deployment: the trained adapter served by a plain `vllm serve --lora-modules` ----------
+
+
+@pytest.fixture(scope="module")
+async def exported(quick, backend, tmp_path_factory):
+    from tracerl.utils.deployment import export_lora
+
+    return await export_lora(quick.model, backend, tmp_path_factory.mktemp("export") / "adapter")
+
+
+async def test_export_writes_only_what_vllm_loads(exported):
+    assert sorted(p.name for p in exported.adapter_dir.iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors"]
+    assert exported.name == "quick-start-step1"
+    args = exported.vllm_serve_args()
+    assert args[args.index("--lora-modules") + 1] == f"quick-start-step1={exported.adapter_dir}"
+
+
+async def test_deploy_model_names_the_export_instead(exported):
+    from tracerl.utils.deployment import deploy_model
+
+    with pytest.raises(tracerl.ConfigError, match="export_lora"):
+        await deploy_model()
+
+
+@pytest.mark.vllm
+async def test_vllm_serve_with_the_exported_adapter_answers_as_it(exported, tmp_path):
+    import os
+    import subprocess
+
+    import httpx
+
+    from tests.conftest import until
+    from tests.remote_server import free_port
+    from tracerl.backend.engines.vllm_engine import vllm_python
+
+    if vllm_python() is None:
+        pytest.skip("needs vLLM (TRACERL_VLLM_PYTHON)")
+    port = free_port()
+    # `vllm serve BASE ...` as the module the vLLM CPU venv runs (its `vllm` script needs
+    # package metadata that venv lacks): `--model BASE ...`
+    _, serve, base, *flags = exported.vllm_serve_args()
+    assert serve == "serve"
+    args = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", base,
+            *flags, "--port", str(port), "--host", "127.0.0.1", "--max-model-len", "256",
+            "--dtype", "bfloat16"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
+    log = (tmp_path / "vllm.log").open("w")
+    process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
+                               start_new_session=True)
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        async with httpx.AsyncClient(timeout=60) as client:
+            async def lists_the_adapter() -> bool:
+                assert process.poll() is None, (tmp_path / "vllm.log").read_text()[-3000:]
+                try:
+                    models = (await client.get(f"{url}/models")).json()["data"]
+                except httpx.TransportError:
+                    return False
+                return exported.name in [m["id"] for m in models]
+
+            await until(lists_the_adapter, "vllm serve to list the exported adapter", 400, 1.0)
+            answer = (await client.post(f"{url}/chat/completions", json={
+                "model": exported.name, "max_tokens": 4,
+                "messages": [{"role": "user", "content": "Say red."}]})).json()
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+        log.close()
+    assert answer["model"] == exported.name and answer["choices"][0]["message"]["content"]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..backend.engines.vllm_engine import _lora_rank_slot
 from ..backend.local import LocalBackend
 from ..backend.weights import resolve_base_model
 from ..core.errors import ConfigError
@@ -39,7 +40,8 @@ class LoRAExport:
         """The ``vllm serve`` command line that serves the base model with this adapter
         (requests name the adapter as ``model=<name>``)."""
         return ["vllm", "serve", str(self.base_model), "--enable-lora",
-                "--lora-modules", self.lora_module, "--max-lora-rank", str(self.rank)]
+                "--lora-modules", self.lora_module, "--max-lora-rank",
+                str(_lora_rank_slot(self.rank))]
 
     def vllm_serve_command(self) -> str:
         return shlex.join(self.vllm_serve_args())
