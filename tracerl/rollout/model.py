@@ -243,7 +243,10 @@ class TrainableModel(Model):
                                     **train_options_from_art(_config)})
         groups = _as_groups(trajectory_groups)
         if not groups:
-            raise InvalidTrajectoryError("train() got no trajectory groups")
+            raise InvalidTrajectoryError(
+                "train() got no trajectory groups (if a judge dropped them all, e.g. RULER with "
+                "swallow_exceptions=True, skip this step; ART 0.5's `await backend.train(model, "
+                "groups, ...)` skips it for you)")
         await attach_scoped_calls(groups)
         spec = self.spec
         metrics: dict[str, float] = {}
