@@ -423,6 +423,7 @@ class HookRecorder:
 
 
 async def test_backend_train_fires_the_step_hooks_and_leaves_logging_to_model_log(tf_backend):
+    """As in ART: ``backend.train`` does not log, ``model.log`` and ``model.train_sft`` do."""
     backend, _ = tf_backend
     model = art.TrainableModel(name="hooks", project="art-api", base_model="smollm2",
                                config=art.ModelConfig(engine=art.EngineConfig(max_model_len=256)))
@@ -437,10 +438,13 @@ async def test_backend_train_fires_the_step_hooks_and_leaves_logging_to_model_lo
         result = await backend.train(model, groups, learning_rate=1e-5)
         trained = list(recorder.fired)
         await model.log(groups, metrics=result.metrics, step=result.step, split="train")
+        logged = list(recorder.fired)
+        await model.train_sft(groups[0].trajectories)
     finally:
         plugins.get_plugin_manager().unregister(name=name)
     assert trained == [("after_train_step", 1)]
-    assert recorder.fired == [("after_train_step", 1), ("log_metrics", "train")]
+    assert logged == [("after_train_step", 1), ("log_metrics", "train")]
+    assert recorder.fired[2:] == [("log_metrics", "train")]  # the SFT step's metrics
 
 
 def test_sync_with_closes_the_backend(tmp_path):

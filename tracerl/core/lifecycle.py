@@ -58,12 +58,14 @@ async def train_event(model: ModelSpec, event: TrainEvent, groups: list[Trajecto
 
 async def step_logged(model: ModelSpec, step: int, split: str, metrics: dict[str, float],
                       groups: list[TrajectoryGroup]) -> None:
-    """Fire the logging hooks of ``model.log``, in a worker thread."""
+    """Fire the logging hooks of ``model.log``, in a worker thread (the trajectories hook only
+    when there are groups: ``model.log(metrics=...)`` logs metrics alone)."""
     hook = get_plugin_manager().hook
     await asyncio.to_thread(hook.tracerl_log_metrics, model=model, step=step, split=split,
                             metrics=metrics)
-    await asyncio.to_thread(hook.tracerl_log_trajectories, model=model, step=step, split=split,
-                            groups=groups)
+    if groups:
+        await asyncio.to_thread(hook.tracerl_log_trajectories, model=model, step=step,
+                                split=split, groups=groups)
 
 
 async def score_group(group: TrajectoryGroup, judge: str | None = None) -> Any:

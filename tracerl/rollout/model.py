@@ -278,6 +278,8 @@ class TrainableModel(Model):
                                              "not a Trajectory")
         result = await self.backend.train_sft(self.spec, trajectories,
                                               config or TrainSFTConfig())
+        # the step's history line is written; the loggers get its metrics, as ART's model.log
+        await step_logged(self.spec, result.step, "train", result.metrics, [])
         if verbose:
             log.info("%s: SFT step %d %s", self.name, result.step, result.metrics)
 
