@@ -479,8 +479,12 @@ async def remote_step(tmp_path_factory):
             await backend.train(model, [group], kimi_k2_tau=0.5)
         except tracerl.ConfigError as e:
             refused = str(e)
+        try:
+            await model.train_sft(group.trajectories)
+        except tracerl.TrainingError as e:
+            no_sft = str(e)
         history = await model.history()
-        return SimpleNamespace(result=result, history=history, refused=refused,
+        return SimpleNamespace(result=result, history=history, refused=refused, no_sft=no_sft,
                                step=await model.get_step())
     finally:
         await backend.close()
@@ -526,3 +530,8 @@ def test_cispo_gradient_is_the_clipped_weight_times_the_advantage_times_grad_log
         grads[loss_fn] = logp.grad[0].tolist()
     assert grads["cispo"] == pytest.approx([-2.0, -2.0 * 1.2, -2.0 * 0.8])
     assert grads["ppo"] == pytest.approx([-2.0, 0.0, -2.0 * math.exp(-0.5)])
+
+
+async def test_remote_sft_is_refused_naming_where_it_runs(remote_step):
+    assert "RemoteBackend has no supervised fine-tuning" in remote_step.no_sft
+    assert "LocalBackend" in remote_step.no_sft and remote_step.step == 1
