@@ -535,3 +535,47 @@ def test_cispo_gradient_is_the_clipped_weight_times_the_advantage_times_grad_log
 async def test_remote_sft_is_refused_naming_where_it_runs(remote_step):
     assert "RemoteBackend has no supervised fine-tuning" in remote_step.no_sft
     assert "LocalBackend" in remote_step.no_sft and remote_step.step == 1
+
+
+# --- SFT rows: the loss is on the assistant tokens only --------------------------------------
+
+
+def test_sft_rows_train_each_assistant_turn_and_nothing_else(tokenizer):
+    from tracerl.backend.training.sft import sft_rows
+
+    trajectory = art.Trajectory(messages_and_choices=[
+        {"role": "user", "content": "Capital of Victoria?"},
+        {"role": "assistant", "content": "Melbourne"},
+        {"role": "user", "content": "And of Queensland?"},
+        Choice.model_validate({"index": 0, "finish_reason": "stop",
+                               "message": {"role": "assistant", "content": "Brisbane"}})])
+    (row,) = sft_rows(tokenizer, trajectory)
+    trained = tokenizer.decode([t for t, m in zip(row.input_ids, row.loss_mask, strict=True) if m])
+    context = tokenizer.decode([t for t, m in zip(row.input_ids, row.loss_mask, strict=True)
+                                if not m])
+    assert trained == "Melbourne<|im_end|>\nBrisbane<|im_end|>\n"
+    assert "Capital of Victoria?" in context and "And of Queensland?" in context
+    full = tokenizer.apply_chat_template(trajectory.messages(), tokenize=False)
+    assert tokenizer.decode(row.input_ids) == full  # one row: the whole conversation, as served
+
+
+def test_a_conversation_without_an_assistant_turn_gives_no_row(tokenizer):
+    from tracerl.backend.training.sft import sft_rows
+
+    assert sft_rows(tokenizer, art.Trajectory(
+        messages_and_choices=[{"role": "user", "content": "hi"}])) == []
+
+
+@pytest.mark.slow
+async def test_sft_lowers_the_loss_on_its_data(tf_backend):
+    backend, _ = tf_backend
+    model = art.TrainableModel(name="sft-learns", project="art-api", base_model="smollm2",
+                               config=art.ModelConfig(engine=art.EngineConfig(max_model_len=256)))
+    await model.register(backend)
+    data = [art.Trajectory(messages_and_choices=[
+        {"role": "user", "content": f"Code word {i}?"},
+        {"role": "assistant", "content": "Zanzibar-7 pelican"}]) for i in range(4)]
+    for _ in range(4):
+        await model.train_sft(data, config=art.TrainSFTConfig(learning_rate=1e-3, batch_size=4))
+    losses = [h["loss"] for h in await model.history() if h.get("sft_batches")]
+    assert losses[-1] < 0.5 * losses[0]
