@@ -119,9 +119,10 @@ def flaky(fails: int, error: type[Exception] = ConnectionError):
 def test_retry_calls_again_until_it_succeeds():
     fn, calls = flaky(2)
     retried = []
-    wrapped = art.retry(max_attempts=3, delay=0.01, on_retry=lambda e, n: retried.append(n))(fn)
+    wrapped = art.retry(max_attempts=3, delay=0.05, backoff_factor=3.0,
+                        on_retry=lambda e, n: retried.append(n))(fn)
     assert wrapped() == 3 and retried == [1, 2]
-    assert calls[2] - calls[1] >= calls[1] - calls[0] >= 0.01  # waits grow
+    assert calls[1] - calls[0] >= 0.05 and calls[2] - calls[1] >= 0.15  # waits grow
 
 
 def test_retry_gives_up_after_max_attempts_with_the_last_error():
