@@ -156,7 +156,7 @@ class TrainQueue:
                 await job.set(state="running", step=step, started_at=time.monotonic())
                 _write_marker(store, job)
                 metrics: dict[str, float] = {}
-                async for event in self.backend.train(model, groups, config):
+                async for event in self.backend.train_events(model, groups, config):
                     await train_event(model, event, groups, config)  # the server's plugins
                     if event.kind == "done":
                         metrics = event.metrics
