@@ -26,6 +26,8 @@ from ..core.net import is_loopback
 from ..core.plugins import collect_classes
 from ..core.storage import ModelStore
 from ..core.trajectory import LLMCall, TrajectoryGroup, read_groups_jsonl, write_groups_jsonl
+from .engines.replica_set import build_engine
+from .publishing import AdapterPublisher
 from .training.step import train_step
 
 if TYPE_CHECKING:
@@ -92,8 +94,10 @@ class _GatewayThread:
 class _ServingOnGateway:
     """A model's engine and route, driven from a training step (on the gateway's loop)."""
 
-    def __init__(self, gateway: _GatewayThread, route: Any, engine: Engine) -> None:
+    def __init__(self, gateway: _GatewayThread, route: Any, engine: Engine,
+                 publisher: AdapterPublisher | None = None) -> None:
         self.gateway, self.route, self.engine = gateway, route, engine
+        self.publisher = publisher
 
     async def sleep(self) -> None:
         await self.gateway.call(self.engine.sleep())
@@ -102,7 +106,16 @@ class _ServingOnGateway:
         await self.gateway.call(self.engine.wake_up())
 
     async def publish(self, step: int, adapter: Path) -> None:
-        await self.gateway.call(self.route.swap_adapter(step, adapter))
+        """Write ``policy@step`` to the publish location (if one is set), load it on every
+        server, then delete published versions no longer resident."""
+        if self.publisher is None:
+            await self.gateway.call(self.route.swap_adapter(step, adapter))
+            return
+        name = self.route.name
+        served = await asyncio.to_thread(self.publisher.publish, name, step, adapter)
+        await self.gateway.call(self.route.swap_adapter(step, served))
+        keep = set(self.route.versions) | {step}
+        await asyncio.to_thread(self.publisher.retire, name, keep)
 
 
 class LocalBackend(Backend):
@@ -178,11 +191,18 @@ class LocalBackend(Backend):
         engine = self._engines.get(key)
         if engine is None:
             cls = choose_engine(self.engine_override or model.config.engine.engine)
-            engine = cls(EngineSpec(model_path=model_path, served_name=model_path.name,
-                                    config=model.config.engine, lora=model.config.lora))
+            engine = build_engine(cls, EngineSpec(
+                model_path=model_path, served_name=model_path.name, config=model.config.engine,
+                lora=model.config.lora))
             await self._gateway().call(engine.start())
             self._engines[key] = engine
         return engine
+
+    @staticmethod
+    def _publisher(model: ModelSpec) -> AdapterPublisher | None:
+        """Where ``model``'s adapters are published for the servers (None: its checkpoints)."""
+        where = model.config.engine.publish_dir
+        return AdapterPublisher(where) if where else None
 
     def _policy(self, model: ModelSpec) -> Trainer:
         """The trained policy of ``model`` (loaded on first use, from its newest checkpoint)."""
@@ -219,7 +239,9 @@ class LocalBackend(Backend):
                               "served name")
         existing = self.gateway.models.get(model.name)
         if existing is None or existing.store.root != store.root:
-            self.gateway.add_model(ServedModel(name=model.name, engine=engine, store=store))
+            self.gateway.add_model(ServedModel(
+                name=model.name, engine=engine, store=store,
+                resident=model.config.engine.resident_adapters))
         route = self.gateway.models[model.name]
         step = store.latest_step()
         if step > 0 and route.step != step:
@@ -266,7 +288,8 @@ class LocalBackend(Backend):
             async for event in train_step(
                     store.latest_step() + 1, groups, config, store=store,
                     load_policy=lambda: self._policy(model),
-                    serving=_ServingOnGateway(self._gateway(), route, route.engine),
+                    serving=_ServingOnGateway(self._gateway(), route, route.engine,
+                                              self._publisher(model)),
                     heartbeat_s=self.heartbeat_s):
                 yield event
 
