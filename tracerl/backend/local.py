@@ -190,7 +190,8 @@ class LocalBackend(Backend):
                model.config.lora.model_dump_json())
         engine = self._engines.get(key)
         if engine is None:
-            cls = choose_engine(self.engine_override or model.config.engine.engine)
+            cls = None if model.config.engine.replica_urls else choose_engine(
+                self.engine_override or model.config.engine.engine)
             engine = build_engine(cls, EngineSpec(
                 model_path=model_path, served_name=model_path.name, config=model.config.engine,
                 lora=model.config.lora))

@@ -322,9 +322,9 @@ def replica_devices(config: Any, gpus: int) -> list[tuple[int, ...] | None]:
     return devices
 
 
-def build_engine(cls: type[Engine], spec: EngineSpec) -> Engine:
+def build_engine(cls: type[Engine] | None, spec: EngineSpec) -> Engine:
     """The engine ``spec`` asks for: ``cls`` alone, or a replica set of several servers (several
-    replicas configured, or server URLs given)."""
+    replicas configured, or server URLs given: then ``cls`` may be None)."""
     from .url_engine import URLEngine
     from .vllm_engine import VLLMEngine
 
@@ -332,6 +332,8 @@ def build_engine(cls: type[Engine], spec: EngineSpec) -> Engine:
     if config.replica_urls:
         return ReplicaSet(spec, [URLEngine(spec, url) for url in config.replica_urls],
                           on_failure=config.replica_failure)
+    if cls is None:
+        raise ConfigError("no engine class and no replica_urls: nothing to serve with")
     gpus = visible_gpus() if issubclass(cls, VLLMEngine) else 0
     devices = replica_devices(config, gpus)
     if len(devices) == 1 and config.replicas is None:

@@ -103,7 +103,8 @@ def transport_errors() -> Iterator[None]:
 
 
 async def sse_events(stream: aiohttp.StreamReader) -> AsyncIterator[Any]:
-    """The JSON payloads of a server-sent event stream, up to ``data: [DONE]``."""
+    """The JSON payloads of a server-sent event stream, up to ``data: [DONE]``; a stream that
+    ends without it was cut (the server died): EngineUnavailableError, not a short answer."""
     async for raw in stream:  # one line at a time
         line = raw.rstrip(b"\r\n")
         if not line.startswith(b"data:"):
@@ -112,6 +113,7 @@ async def sse_events(stream: aiohttp.StreamReader) -> AsyncIterator[Any]:
         if data == b"[DONE]":
             return
         yield loads(data)
+    raise EngineUnavailableError("the vLLM server closed the stream before [DONE]")
 
 
 class VLLMEngine(Engine):
