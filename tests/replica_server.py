@@ -3,10 +3,10 @@
 ``python tests/replica_server.py NAME PORT`` (PORT 0: any; the port is printed on stdout).
 It answers /health, chat completions (plain and streamed, vLLM's token ids and logprobs, and
 ``system_fingerprint`` = NAME so a test sees which replica answered), and vLLM's runtime LoRA
-routes. A request with ``"x_hold": true`` waits until ``POST /_release`` (``/_rearm`` holds again); a streamed one sends its
-first chunk, then waits, so a test can kill the process mid-stream. ``GET /_state`` tells the
-adapters loaded and calls held. Used where routing is under test, never in place of vLLM's
-behaviour.
+routes. A request with ``"x_hold": true`` waits until ``POST /_release`` (``/_rearm`` holds
+again); a streamed one sends its first chunk, then waits, so a test can kill the process
+mid-stream. ``GET /_state`` tells the adapters loaded and calls held. Used where routing is
+under test, never in place of vLLM's behaviour.
 """
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ async def test_calls_of_one_rollout_stay_on_one_replica_and_rollouts_spread(serv
     rs = await replica_set(servers)
     try:
         routed: dict[str, set[str]] = {}
-        for turn in range(3):
+        for _turn in range(3):
             for rollout in ("a", "b", "c", "d", "e", "f"):
                 replica, response = await chat(rs, rollout)
                 assert response["system_fingerprint"] == replica  # the recorded one answered

@@ -154,7 +154,7 @@ class VLLMEngine(Engine):
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", dtype,
             "--max-model-len", str(cfg.max_model_len), "--max-num-seqs", str(cfg.max_num_seqs),
             "--enable-lora", "--max-lora-rank", str(_lora_rank_slot(lora.r)),
-            "--max-loras", str(max(2, cfg.resident_adapters)),
+            "--max-loras", str(max(2, cfg.resident_adapters + 1)),  # the next one loads first
             "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log",
         ]
         if self.sleeps:
