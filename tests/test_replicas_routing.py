@@ -166,7 +166,7 @@ async def test_a_call_on_a_killed_replica_is_retried_elsewhere_and_the_replica_r
         a = ServerProcess("r0", a.port)  # the replica comes back (its supervisor restarted it)
         await until(lambda: rs.status()[0]["state"] == "up", "r0 rejoining", timeout_s=30)
         assert a.state()["adapters"] == ["m@1"]  # loaded before it took traffic
-        assert (await chat(rs, "fresh"))[0] == "r0"  # the least-loaded, least-served
+        assert (await chat(rs, "fresh"))[0] == "r0"  # least loaded, then idle longest
     finally:
         await rs.stop()
         a.stop()

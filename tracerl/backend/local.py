@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..core.backend import Backend, InferenceEndpoint, TrainEvent
-from ..core.config import TrainConfig
+from ..core.config import EngineConfig, TrainConfig
 from ..core.engine import Engine, EngineError, EngineSpec
 from ..core.errors import ConfigError, TrainingError
 from ..core.hookspecs import hookimpl
@@ -35,6 +35,10 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+
+# EngineConfig fields saying where inference runs: the operator's to set (`tracerl serve`)
+PLACEMENT_FIELDS = ("replicas", "replicas_per_gpu", "gpus_per_replica", "replica_urls",
+                    "replica_failure", "publish_dir")
 
 
 def choose_engine(requested: str) -> type[Engine]:
@@ -130,7 +134,8 @@ class LocalBackend(Backend):
 
     def __init__(self, *, path: str | Path | None = None, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, engine: str | None = None,
-                 in_process: bool = False, heartbeat_s: float = 30.0) -> None:
+                 in_process: bool = False, heartbeat_s: float = 30.0,
+                 placement: dict[str, Any] | None = None) -> None:
         from .gateway import Gateway
 
         del in_process
@@ -141,6 +146,12 @@ class LocalBackend(Backend):
         self.host, self.port = host, port
         self.api_key = api_key
         self.engine_override = engine
+        if placement is not None:  # validated now, not at the first registration
+            unknown = set(placement) - set(PLACEMENT_FIELDS)
+            if unknown:
+                raise ConfigError(f"placement: unknown fields {sorted(unknown)}")
+            EngineConfig(**placement)
+        self.placement = placement
         self.heartbeat_s = heartbeat_s
         self.gateway = Gateway(api_key=api_key)
         self._thread: _GatewayThread | None = None
@@ -199,6 +210,19 @@ class LocalBackend(Backend):
             self._engines[key] = engine
         return engine
 
+    def _placed(self, model: ModelLike) -> ModelSpec:
+        """``model`` with this backend's placement (replicas, publish location) in place of its
+        own, when the backend has one (``tracerl serve``: clients do not choose servers)."""
+        model = spec_of(model)
+        if self.placement is None:
+            return model
+        engine = EngineConfig(**{**model.config.engine.model_dump(),
+                                 **{f: EngineConfig.model_fields[f].get_default(
+                                     call_default_factory=True) for f in PLACEMENT_FIELDS},
+                                 **self.placement})
+        return model.model_copy(update={"config": model.config.model_copy(
+            update={"engine": engine})})
+
     @staticmethod
     def _publisher(model: ModelSpec) -> AdapterPublisher | None:
         """Where ``model``'s adapters are published for the servers (None: its checkpoints)."""
@@ -227,7 +251,7 @@ class LocalBackend(Backend):
         from .gateway import ServedModel
         from .weights import resolve_base_model
 
-        model = spec_of(model)
+        model = self._placed(model)
         if not model.base_model:
             raise ConfigError(f"model {model.key} has no base_model to serve")
         store = self.store(model)
@@ -277,7 +301,7 @@ class LocalBackend(Backend):
 
     async def train(self, model: ModelLike, groups: list[TrajectoryGroup], config: TrainConfig
                     ) -> AsyncIterator[TrainEvent]:
-        model = spec_of(model)
+        model = self._placed(model)
         route = self.gateway.models.get(model.name)
         if route is None:
             raise TrainingError(f"model {model.key} is not registered with this backend")

@@ -1,7 +1,7 @@
 """A replica set: K inference servers behind one :class:`Engine`, so the gateway needs no change.
 
 Data plane routed: a rollout's calls stay on one replica (its prefix cache holds the earlier
-turns), a new rollout goes to the replica with the fewest calls in flight. Control plane fanned
+turns), a new rollout goes to the replica with the fewest calls in flight (ties: the one idle longest). Control plane fanned
 out: adapters are loaded on / unloaded from every replica, sleep and wake reach all of them.
 
 Faults: a call whose replica fails before it produced anything (connection refused or reset, a
@@ -45,7 +45,8 @@ class Replica:
     engine: Engine
     state: ReplicaState = "starting"
     in_flight: int = 0
-    served: int = 0  # calls routed here, ever (breaks ties: new rollouts round-robin)
+    served: int = 0  # calls routed here, ever
+    last_pick: int = 0  # when a call was last routed here (ties go to the longest idle)
 
 
 class ReplicaSet(Engine):
@@ -60,6 +61,7 @@ class ReplicaSet(Engine):
             raise ConfigError("a replica set needs at least one engine")
         self.on_failure = on_failure
         self._serial = 0
+        self._picks = 0
         self.replicas = [Replica(self._next_name(), engine) for engine in engines]
         self._sticky: OrderedDict[str, Replica] = OrderedDict()
         self._adapters: dict[str, Path] = {}  # what every replica in rotation serves
@@ -196,7 +198,7 @@ class ReplicaSet(Engine):
         if not candidates:
             states = ", ".join(f"{r.name}: {r.state}" for r in self.replicas) or "none left"
             raise EngineUnavailableError(f"no replica can take the call ({states})")
-        r = min(candidates, key=lambda c: (c.in_flight, c.served))
+        r = min(candidates, key=lambda c: (c.in_flight, c.last_pick))
         if key is not None:
             self._sticky[key] = r
             self._sticky.move_to_end(key)
@@ -204,11 +206,11 @@ class ReplicaSet(Engine):
                 self._sticky.popitem(last=False)
         return self._routed(r, route)
 
-    @staticmethod
-    def _routed(r: Replica, route: Any) -> Replica:
+    def _routed(self, r: Replica, route: Any) -> Replica:
         if route is not None:
             route.replica = r.name
-        r.served += 1
+        self._picks += 1
+        r.served, r.last_pick = r.served + 1, self._picks
         return r
 
     async def _call(self, call: Callable[[Engine], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
