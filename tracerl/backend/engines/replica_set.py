@@ -1,8 +1,9 @@
 """A replica set: K inference servers behind one :class:`Engine`, so the gateway needs no change.
 
 Data plane routed: a rollout's calls stay on one replica (its prefix cache holds the earlier
-turns), a new rollout goes to the replica with the fewest calls in flight (ties: the one idle longest). Control plane fanned
-out: adapters are loaded on / unloaded from every replica, sleep and wake reach all of them.
+turns), a new rollout goes to the replica with the fewest calls in flight (ties: the one idle
+longest). Control plane fanned out: adapters are loaded on / unloaded from every replica, sleep
+and wake reach all of them.
 
 Faults: a call whose replica fails before it produced anything (connection refused or reset, a
 5xx) is retried on another replica; a stream that already sent chunks cannot be retried and
