@@ -300,7 +300,8 @@ def test_published_versions_appear_whole_and_old_ones_are_retired(tmp_path):
 def test_replicas_are_placed_per_gpu_and_tensor_parallel_groups():
     assert replica_devices(EngineConfig(), 0) == [None]
     assert replica_devices(EngineConfig(replicas=2), 0) == [None, None]
-    assert replica_devices(EngineConfig(), 4) == [(0,), (1,), (2,), (3,)]
+    assert replica_devices(EngineConfig(), 4) == [None]  # as before: one server
+    assert replica_devices(EngineConfig(replicas=4), 4) == [(0,), (1,), (2,), (3,)]
     assert replica_devices(EngineConfig(replicas_per_gpu=2), 2) == [(0,), (0,), (1,), (1,)]
     assert replica_devices(EngineConfig(gpus_per_replica=2), 4) == [(0, 1), (2, 3)]
     with pytest.raises(ConfigError, match="gpus_per_replica=4"):

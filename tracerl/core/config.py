@@ -81,8 +81,9 @@ class EngineConfig(_Strict):
     gpu_memory_utilization: float | None = Field(
         None, gt=0, le=1, description="the share of GPU memory vLLM may take (vLLM's default: 0.9)")
     replicas: int | None = Field(
-        None, ge=1, description="inference servers behind the gateway; None: one per group of "
-        "gpus_per_replica GPUs times replicas_per_gpu, or 1 without GPUs")
+        None, ge=1, description="inference servers behind the gateway, spread over the visible "
+        "GPUs; None: 1, or with replicas_per_gpu / gpus_per_replica set, as many as the GPUs "
+        "allow")
     replicas_per_gpu: int = Field(1, ge=1, le=16, description="servers sharing each GPU (small "
                                   "models, where one vLLM API server is front-end bound)")
     gpus_per_replica: int = Field(1, ge=1, description="GPUs of each server (tensor parallel, "

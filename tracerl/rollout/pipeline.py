@@ -81,6 +81,9 @@ class RolloutPipeline(Generic[ScenarioT, ConfigT]):
             raise ConfigError("max_steps_off_policy must be >= 0")
         if num_rollout_workers is not None and num_rollout_workers < 1:
             raise ConfigError("num_rollout_workers must be >= 1")
+        if model.spec.config.engine.sleep_during_training:
+            raise ConfigError("the async pipeline samples while the trainer trains: the servers "
+                              "must stay awake (EngineConfig(sleep_during_training=False))")
         self.model, self.rollout_fn, self.config = model, rollout_fn, config
         self.groups_per_step = groups_per_step
         self.max_steps_off_policy = max_steps_off_policy

@@ -309,8 +309,11 @@ def visible_gpus() -> int:
 
 def replica_devices(config: Any, gpus: int) -> list[tuple[int, ...] | None]:
     """Each replica's GPUs: ``gpus // gpus_per_replica`` groups, each shared by
-    ``replicas_per_gpu`` servers; without GPUs, ``replicas`` servers (default 1) with none."""
-    if gpus == 0:
+    ``replicas_per_gpu`` servers (the first ``replicas`` of them, if set); without GPUs, or with
+    none of the three set, ``replicas`` servers (default 1) placed by vLLM itself."""
+    spread = config.replicas is not None or config.replicas_per_gpu > 1 \
+        or config.gpus_per_replica > 1
+    if gpus == 0 or not spread:
         return [None] * (config.replicas or 1)
     per = config.gpus_per_replica
     if per > gpus:
