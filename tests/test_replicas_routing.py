@@ -275,7 +275,7 @@ async def test_a_rollout_finishes_on_its_version_while_it_stays_resident(version
     await gateway_call(model, "pinned")  # 2 is gone: the rollout moves to the newest
     assert [c.adapter_step for c in await model.fetch_calls("pinned")] == [2, 2, 4]
     assert [c.adapter_step for c in await model.fetch_calls("newer")] == [3]
-    with pytest.raises(Exception, match="not resident"):
+    with pytest.raises(Exception, match="nor resident"):
         await gateway_call(model, "old", name="vgw@2")
 
 

@@ -181,8 +181,9 @@ class ServedModel:
             if not self._resident(int(raw)):
                 served = sorted(self.versions) if self.resident > 1 else [self.step]
                 raise EngineRequestError(
-                    f"The model `{requested}` is not served: step {raw} is not resident "
-                    f"(steps served: {served}); use `{self.name}` or `{self.name}@{self.step}`",
+                    f"The model `{requested}` is not served: step {raw} is not the current step "
+                    f"({self.step}) nor resident (steps served: {served}); use `{self.name}` or "
+                    f"`{self.name}@{self.step}`",
                     status=404, param="model", code="model_not_found")
             step = int(raw)
         elif self.resident > 1 and rollout_id is not None:
