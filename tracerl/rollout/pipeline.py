@@ -164,7 +164,7 @@ class RolloutPipeline(Generic[ScenarioT, ConfigT]):
                     self._changed.notify_all()
                 trained += 1
                 yield TrainedStep(step, batch, {**metrics, "dropped_stale": float(dropped),
-                                                "max_steps_off_policy": float(max(lags))},
+                                                "steps_off_policy_max": float(max(lags))},
                                   dropped, lags)
         finally:
             for w in workers:
