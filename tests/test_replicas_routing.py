@@ -306,5 +306,7 @@ def test_replicas_are_placed_per_gpu_and_tensor_parallel_groups():
     assert replica_devices(EngineConfig(gpus_per_replica=2), 4) == [(0, 1), (2, 3)]
     with pytest.raises(ConfigError, match="gpus_per_replica=4"):
         replica_devices(EngineConfig(gpus_per_replica=4), 2)
+    with pytest.raises(ValueError, match="publish_mount"):
+        EngineConfig(publish_dir="s3://bucket/adapters")
     with pytest.raises(ValueError, match="replica_urls"):
         EngineConfig(replica_urls=["127.0.0.1:8000"])

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 # EngineConfig fields saying where inference runs: the operator's to set (`tracerl serve`)
 PLACEMENT_FIELDS = ("replicas", "replicas_per_gpu", "gpus_per_replica", "replica_urls",
-                    "replica_failure", "publish_dir")
+                    "replica_failure", "publish_dir", "publish_mount")
 
 
 def choose_engine(requested: str) -> type[Engine]:
@@ -226,8 +226,9 @@ class LocalBackend(Backend):
     @staticmethod
     def _publisher(model: ModelSpec) -> AdapterPublisher | None:
         """Where ``model``'s adapters are published for the servers (None: its checkpoints)."""
-        where = model.config.engine.publish_dir
-        return AdapterPublisher(where) if where else None
+        engine = model.config.engine
+        return AdapterPublisher(engine.publish_dir, engine.publish_mount) \
+            if engine.publish_dir else None
 
     def _policy(self, model: ModelSpec) -> Trainer:
         """The trained policy of ``model`` (loaded on first use, from its newest checkpoint)."""

@@ -100,8 +100,10 @@ class EngineConfig(_Strict):
     publish_dir: str | None = Field(
         None, description="where each step's adapter is published as policy@N before the "
         "servers load it: a directory every server can read (/dev/shm on one node, a shared "
-        "filesystem across nodes) or an fsspec URL mounted at the same path on the servers; "
-        "None: servers load the checkpoint folder itself")
+        "filesystem across nodes) or an fsspec URL (s3://..., with publish_mount); None: "
+        "servers load the checkpoint folder itself")
+    publish_mount: str | None = Field(
+        None, description="the path at which the servers see an fsspec publish_dir mounted")
 
     @model_validator(mode="after")
     def _check_replicas(self) -> EngineConfig:
@@ -109,6 +111,11 @@ class EngineConfig(_Strict):
             raise ConfigError("replicas and replica_urls disagree: give one of them")
         if self.replicas_per_gpu > 1 and self.gpus_per_replica > 1:
             raise ConfigError("replicas_per_gpu > 1 and gpus_per_replica > 1 exclude each other")
+        url_publish = self.publish_dir is not None and "://" in self.publish_dir \
+            and not self.publish_dir.startswith("file://")
+        if url_publish and not self.publish_mount:
+            raise ConfigError(f"publish_dir {self.publish_dir} is a URL: set publish_mount, the "
+                              "path at which the inference servers see it mounted")
         for url in self.replica_urls:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"replica_urls: {url!r} is not an http(s) URL")
