@@ -116,7 +116,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         placement=placement_options(
             replicas=args.replicas, replica_urls=args.replica_url,
             replicas_per_gpu=args.replicas_per_gpu, gpus_per_replica=args.gpus_per_replica,
-            replica_failure=args.replica_failure, publish_dir=args.publish_dir),
+            replica_failure=args.replica_failure, publish_dir=args.publish_dir,
+            publish_mount=args.publish_mount),
     )
 
 
@@ -197,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what happens to a replica that dies")
     g.add_argument("--publish-dir", default=None,
                    help="where adapters are published as policy@N (e.g. /dev/shm/tracerl)")
+    g.add_argument("--publish-mount", default=None,
+                   help="where the servers see an fsspec --publish-dir (s3://...) mounted")
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("proxy", help="run a LiteLLM proxy in front of a tracerl gateway")

@@ -34,14 +34,14 @@ def parse_base_models(items: list[str]) -> dict[str, str]:
 
 def placement_options(*, replicas: int | None = None, replica_urls: list[str] = (),
                       replicas_per_gpu: int = 1, gpus_per_replica: int = 1,
-                      replica_failure: str = "restart", publish_dir: str | None = None
-                      ) -> dict[str, Any]:
+                      replica_failure: str = "restart", publish_dir: str | None = None,
+                      publish_mount: str | None = None) -> dict[str, Any]:
     """The ``tracerl serve`` replica flags as placement fields (defaults left out)."""
     given = {"replicas": replicas, "replica_urls": list(replica_urls) or None,
              "replicas_per_gpu": replicas_per_gpu if replicas_per_gpu != 1 else None,
              "gpus_per_replica": gpus_per_replica if gpus_per_replica != 1 else None,
              "replica_failure": replica_failure if replica_failure != "restart" else None,
-             "publish_dir": publish_dir}
+             "publish_dir": publish_dir, "publish_mount": publish_mount}
     return {k: v for k, v in given.items() if v is not None}
 
 
@@ -54,7 +54,8 @@ def serve(*, host: str, port: int, path: str, api_key: str | None, engine: str |
 
     ``placement``: where inference runs for every model (the operator's choice, never a
     client's): ``replicas``, ``replicas_per_gpu``, ``gpus_per_replica``, ``replica_urls``,
-    ``replica_failure``, ``publish_dir`` of :class:`~tracerl.core.config.EngineConfig`."""
+    ``replica_failure``, ``publish_dir``, ``publish_mount`` of
+    :class:`~tracerl.core.config.EngineConfig`."""
     if not is_loopback(host) and not api_key:
         raise ConfigError(f"serving on {host} needs an API key (set TRACERL_API_KEY); "
                           "without one, only loopback (127.0.0.1) is allowed")
