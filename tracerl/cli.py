@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("replicas (where inference runs, for every model; clients' "
                              "own replica settings are replaced by these)")
     g.add_argument("--replicas", type=int, default=None,
-                   help="vLLM servers to start (default: one per GPU group, or 1 without GPUs)")
+                   help="vLLM servers to start, spread over the GPUs (default 1)")
     g.add_argument("--replicas-per-gpu", type=int, default=1, help="servers sharing each GPU")
     g.add_argument("--gpus-per-replica", type=int, default=1,
                    help="GPUs per server (tensor parallel)")
