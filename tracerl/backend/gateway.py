@@ -158,6 +158,15 @@ class ServedModel:
                     del self.versions[old]
                     await self.engine.unload_adapter(self.lora_name(old))
 
+    def still_served(self, step: int | None, body: dict[str, Any], rollout_id: str | None,
+                     engine_body: dict[str, Any]) -> int | None:
+        """After waiting for a swap: if it retired the version this call was resolved to,
+        resolve again (``engine_body`` gets the new engine model name); the step to record."""
+        if step is None or self.resident <= 1 or self._resident(step):
+            return step
+        engine_body["model"], step = self.resolve(body["model"], rollout_id)
+        return step
+
     def lora_name(self, step: int) -> str:
         return self.name if self.resident <= 1 else f"{self.name}@{step}"
 
@@ -340,6 +349,7 @@ class Gateway:
             return await self._stream(served, engine_body, body, who, step, timeout, route)
 
         await served.swap.acquire_read()
+        step = served.still_served(step, body, who.rollout_id, engine_body)
         started = time.perf_counter()
         try:
             call = (
@@ -400,6 +410,7 @@ class Gateway:
                       route: CallRoute | None = None) -> Any:
         """Forward SSE chunks as they come while assembling the record."""
         await served.swap.acquire_read()
+        step = served.still_served(step, body, who.rollout_id, engine_body)
         started = time.perf_counter()
         stream = served.engine.chat_stream(engine_body)
         try:  # the first chunk is awaited here so that engine errors become proper statuses
