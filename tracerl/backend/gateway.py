@@ -162,8 +162,8 @@ class ServedModel:
                      engine_body: dict[str, Any]) -> int | None:
         """After waiting for a swap: if it retired the version this call was resolved to,
         resolve again (``engine_body`` gets the new engine model name); the step to record."""
-        if step is None or self.resident <= 1 or self._resident(step):
-            return step
+        if step is None or self.resident <= 1 or self._resident(step) or "@" in body["model"]:
+            return step  # (an explicit NAME@STEP that was retired gets the engine's 404)
         engine_body["model"], step = self.resolve(body["model"], rollout_id)
         return step
 
