@@ -19,7 +19,12 @@ from pathlib import Path
 import pytest
 
 import tracerl
-from tracerl.backend.engines.replica_set import ReplicaSet, build_engine, replica_devices
+from tracerl.backend.engines.replica_set import (
+    ReplicaSet,
+    build_engine,
+    replica_cpus,
+    replica_devices,
+)
 from tracerl.backend.publishing import AdapterPublisher
 from tracerl.core.config import EngineConfig, LoraConfig
 from tracerl.core.engine import CallRoute, EngineSpec, EngineUnavailableError, current_route
@@ -304,6 +309,9 @@ def test_replicas_are_placed_per_gpu_and_tensor_parallel_groups():
     assert replica_devices(EngineConfig(replicas=4), 4) == [(0,), (1,), (2,), (3,)]
     assert replica_devices(EngineConfig(replicas_per_gpu=2), 2) == [(0,), (0,), (1,), (1,)]
     assert replica_devices(EngineConfig(gpus_per_replica=2), 4) == [(0, 1), (2, 3)]
+    cores = sorted(os.sched_getaffinity(0))
+    assert replica_cpus(1) == [tuple(cores)]
+    assert replica_cpus(len(cores) + 1) == [None] * (len(cores) + 1)
     with pytest.raises(ConfigError, match="gpus_per_replica=4"):
         replica_devices(EngineConfig(gpus_per_replica=4), 2)
     with pytest.raises(ValueError, match="publish_mount"):

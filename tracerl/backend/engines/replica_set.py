@@ -346,5 +346,19 @@ def build_engine(cls: type[Engine] | None, spec: EngineSpec) -> Engine:
         return cls(spec)
     if not issubclass(cls, VLLMEngine):
         raise ConfigError(f"several replicas need the vLLM engine, not {cls.name!r}")
-    return ReplicaSet(spec, [cls(spec, devices=d) for d in devices],
+    # vLLM's CPU build binds its worker to the same cores in every server ("auto"): give each
+    # replica its own share of this process's cores instead
+    cpus = replica_cpus(len(devices)) if gpus == 0 else [None] * len(devices)
+    return ReplicaSet(spec, [cls(spec, devices=d, cpus=c) for d, c in zip(devices, cpus,
+                                                                           strict=True)],
                       on_failure=config.replica_failure)
+
+
+def replica_cpus(replicas: int) -> list[tuple[int, ...] | None]:
+    """This process's cores split evenly over ``replicas`` CPU servers (None: fewer cores than
+    servers, then they share, bound by vLLM)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < replicas:
+        return [None] * replicas
+    per = len(cores) // replicas
+    return [tuple(cores[i * per:(i + 1) * per]) for i in range(replicas)]

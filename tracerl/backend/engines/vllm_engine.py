@@ -119,11 +119,13 @@ async def sse_events(stream: aiohttp.StreamReader) -> AsyncIterator[Any]:
 class VLLMEngine(Engine):
     name = "vllm"
 
-    def __init__(self, spec: EngineSpec, devices: tuple[int, ...] | None = None) -> None:
+    def __init__(self, spec: EngineSpec, devices: tuple[int, ...] | None = None,
+                 cpus: tuple[int, ...] | None = None) -> None:
         """``devices``: the GPUs this server may use (CUDA_VISIBLE_DEVICES; tensor parallel over
-        them when several), for one replica of a replica set; None: whatever it sees."""
+        them when several), for one replica of a replica set; None: whatever it sees. ``cpus``:
+        the cores its CPU worker binds to (vLLM's CPU build; None: vLLM's own choice)."""
         super().__init__(spec)
-        self.devices = devices
+        self.devices, self.cpus = devices, cpus
         self.process: subprocess.Popen | None = None
         self.port: int | None = None
         self.client: aiohttp.ClientSession | None = None
@@ -198,6 +200,8 @@ class VLLMEngine(Engine):
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         if self.devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in self.devices)
+        if self.cpus is not None and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in self.cpus)
         env.pop("PYTHONPATH", None)  # the vLLM venv brings its own packages
         self.process = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
                                         env=env, start_new_session=True)
