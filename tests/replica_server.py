@@ -87,8 +87,9 @@ class _Handler(BaseHTTPRequestHandler):
         if not body.get("stream"):
             self._hold(body)
             return self._send(200, resp)
-        self.send_response(200)
+        self.send_response(200)  # chunked, as vLLM's uvicorn sends: a cut stream is detectable
         self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
         self.send_header("Connection", "close")
         self.end_headers()
         base = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": model,
@@ -101,12 +102,15 @@ class _Handler(BaseHTTPRequestHandler):
                                   "finish_reason": "stop",
                                   "logprobs": {"content": choice["logprobs"]["content"][1:]}}]},
         ]
-        self.wfile.write(b"data: " + json.dumps(chunks[0]).encode() + b"\n\n")
-        self.wfile.flush()
+        self._chunk(b"data: " + json.dumps(chunks[0]).encode() + b"\n\n")
         self._hold(body)
-        self.wfile.write(b"data: " + json.dumps(chunks[1]).encode() + b"\n\ndata: [DONE]\n\n")
-        self.wfile.flush()
+        self._chunk(b"data: " + json.dumps(chunks[1]).encode() + b"\n\ndata: [DONE]\n\n")
+        self._chunk(b"")
         self.close_connection = True
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
 
 
 class _Server(ThreadingHTTPServer):
