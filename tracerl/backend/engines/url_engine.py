@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import asyncio
 
-import aiohttp
-
 from ...core.engine import EngineSpec
 from ...core.errors import EngineError
-from .vllm_engine import VLLMEngine, engine_connector, startup_timeout_s
+from .vllm_engine import VLLMEngine, startup_timeout_s
 
 
 class URLEngine(VLLMEngine):
@@ -38,10 +36,7 @@ class URLEngine(VLLMEngine):
     async def start(self) -> None:
         self._ready = False
         if self.client is None:
-            self.client = aiohttp.ClientSession(
-                base_url=self.url, connector=engine_connector(self.spec.config.max_num_seqs),
-                timeout=aiohttp.ClientTimeout(total=None, connect=5,
-                                              sock_read=self.spec.config.request_timeout_s))
+            self.connect()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + startup_timeout_s()
         while not await self.healthy():

@@ -203,10 +203,7 @@ class VLLMEngine(Engine):
         env.pop("PYTHONPATH", None)  # the vLLM venv brings its own packages
         self.process = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
                                         env=env, start_new_session=True)
-        self.client = aiohttp.ClientSession(
-            base_url=self.base_url, connector=engine_connector(self.spec.config.max_num_seqs),
-            timeout=aiohttp.ClientTimeout(total=None, connect=5,
-                                          sock_read=self.spec.config.request_timeout_s))
+        self.connect()
         loop = asyncio.get_running_loop()
         timeout_s = startup_timeout_s()
         deadline = loop.time() + timeout_s
@@ -226,6 +223,13 @@ class VLLMEngine(Engine):
         for name, path in list(self._adapters.items()):
             await self.load_adapter(name, path)
         self._ready = True
+
+    def connect(self) -> None:
+        """Open the connection pool towards the server at :attr:`base_url`."""
+        self.client = aiohttp.ClientSession(
+            base_url=self.base_url, connector=engine_connector(self.spec.config.max_num_seqs),
+            timeout=aiohttp.ClientTimeout(total=None, connect=5,
+                                          sock_read=self.spec.config.request_timeout_s))
 
     async def stop(self) -> None:
         self._ready = False
