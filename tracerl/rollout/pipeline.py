@@ -84,6 +84,12 @@ class RolloutPipeline(Generic[ScenarioT, ConfigT]):
         if model.spec.config.engine.sleep_during_training:
             raise ConfigError("the async pipeline samples while the trainer trains: the servers "
                               "must stay awake (EngineConfig(sleep_during_training=False))")
+        resident = model.spec.config.engine.resident_adapters
+        if resident < max_steps_off_policy + 1:
+            log.warning("%s keeps %d policy version(s) loaded; with max_steps_off_policy=%d, "
+                        "multi-turn rollouts may change versions midway (their group then "
+                        "counts from its oldest call): set EngineConfig(resident_adapters=%d)",
+                        model.name, resident, max_steps_off_policy, max_steps_off_policy + 1)
         self.model, self.rollout_fn, self.config = model, rollout_fn, config
         self.groups_per_step = groups_per_step
         self.max_steps_off_policy = max_steps_off_policy
