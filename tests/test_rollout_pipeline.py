@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import tracerl
+from tracerl.backend.publishing import AdapterPublisher
 from tracerl.core.trajectory import read_groups_jsonl
 
 from .conftest import until
@@ -91,10 +92,12 @@ async def wait_for_step(model, step: int) -> None:
     await until(reached, f"step {step} trained", 300, 0.05)
 
 
-async def test_the_staleness_bound_holds_for_every_trained_call(tf_backend):
-    """Real sampled two-turn rollouts while the trainer trains; two versions resident."""
+async def test_the_staleness_bound_holds_for_every_trained_call(tf_backend, tmp_path):
+    """Real sampled two-turn rollouts while the trainer trains; two versions resident, each
+    published to a directory first and served from there."""
     backend, _ = tf_backend
-    model = await new_model(backend, "stale1", resident_adapters=2)
+    published = tmp_path / "shm"
+    model = await new_model(backend, "stale1", resident_adapters=2, publish_dir=str(published))
 
     async def one(scenario: int, reward: float) -> tracerl.Trajectory:
         client = model.openai_client()
@@ -131,6 +134,9 @@ async def test_the_staleness_bound_holds_for_every_trained_call(tf_backend):
         for c in calls:  # two versions resident: a rollout stays on its version
             by_rollout.setdefault(c.rollout_id, set()).add(c.adapter_step)
         assert all(len(v) == 1 for v in by_rollout.values())
+    assert AdapterPublisher(str(published)).published("stale1") == [2, 3]  # older ones retired
+    route = backend.gateway.models["stale1"]
+    assert route.versions == {s: published / "stale1" / f"policy@{s}" for s in (2, 3)}
 
 
 async def test_a_failing_rollout_fails_the_pipeline_with_its_error(tf_backend):
