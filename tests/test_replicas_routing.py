@@ -25,6 +25,7 @@ from tracerl.backend.engines.replica_set import (
     replica_cpus,
     replica_devices,
 )
+from tracerl.backend.engines.url_engine import URLEngine
 from tracerl.backend.publishing import AdapterPublisher
 from tracerl.core.config import EngineConfig, LoraConfig
 from tracerl.core.engine import CallRoute, EngineSpec, EngineUnavailableError, current_route
@@ -206,8 +207,7 @@ async def test_a_joining_replica_loads_the_adapters_first_and_a_leaving_one_drai
         a.rearm()
         held = asyncio.create_task(chat(rs, "on-r0", x_hold=True))
         await until(lambda: a.state()["held"] == 1, "a call held on r0")
-        name = await rs.add_replica(
-            tracerl.backend.engines.url_engine.URLEngine(rs.spec, b.url))
+        name = await rs.add_replica(URLEngine(rs.spec, b.url))
         assert name == "r1" and b.state()["adapters"] == ["m@3"]
         b.rearm()
         joined = asyncio.create_task(chat(rs, "new", model="m@3", x_hold=True))
