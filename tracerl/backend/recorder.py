@@ -16,8 +16,6 @@ from typing import Any
 from ..core.storage import ModelStore, append_jsonl, read_jsonl
 from ..core.trajectory import CompletionRecord, LLMCall
 
-UNATTRIBUTED = "unattributed"
-
 
 def inject_training_fields(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
     """The request the engine gets: the caller's, plus logprobs and token ids."""
@@ -194,24 +192,24 @@ class CallStore:
     _FILE_LOCKS = 64
 
     def __init__(self) -> None:
-        self._calls: dict[tuple[str, str], list[LLMCall]] = defaultdict(list)
+        self._calls: dict[tuple[str, str, str], list[LLMCall]] = defaultdict(list)
         self._lock = threading.Lock()
         self._file_locks = [threading.Lock() for _ in range(self._FILE_LOCKS)]
 
     def add(self, store: ModelStore, call: LLMCall) -> None:
-        rid = call.rollout_id or UNATTRIBUTED
-        path = store.calls_path(rid)
+        rid = call.rollout_id
+        path = store.calls_path(rid) if rid is not None else store.unattributed_calls_path
         record = call.model_dump(mode="json")
         with self._file_locks[hash(str(path)) % self._FILE_LOCKS]:
             append_jsonl(path, record)
         if call.rollout_id is not None:
             with self._lock:
-                self._calls[(store.name, rid)].append(call)
+                self._calls[(store.project, store.name, rid)].append(call)
 
     def take(self, store: ModelStore, rollout_id: str) -> list[LLMCall]:
         """The calls of a rollout (from memory, else from disk after a restart)."""
         with self._lock:
-            calls = self._calls.pop((store.name, rollout_id), None)
+            calls = self._calls.pop((store.project, store.name, rollout_id), None)
         if calls is not None:
             return calls
         path = store.calls_path(rollout_id)

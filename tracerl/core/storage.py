@@ -6,6 +6,7 @@
     ``trajectories/{split}/{step:04d}.jsonl``   groups, written before training on them
     ``checkpoints/{step:04d}/``         LoRA adapters; a folder appears only when complete
     ``calls/{rollout_id}.jsonl``        raw gateway records (backend side)
+    ``calls/_unattributed.jsonl``       records of calls made without a rollout id
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ from typing import Any
 
 from .errors import ConfigError
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # fullmatch: no trailing newline
 _CHECKPOINT_RE = re.compile(r"^\d{4,}$")
 
 
 def validate_name(kind: str, value: str) -> str:
     """Reject names that could escape a directory or confuse a URL (``..``, ``/``, spaces...)."""
-    if not isinstance(value, str) or not _NAME_RE.match(value) or ".." in value:
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value) or ".." in value:
         raise ConfigError(
             f"invalid {kind} name {value!r}: use 1-128 letters, digits, '.', '_' or '-', "
             "starting with a letter or digit, and no '..'"
@@ -149,6 +150,16 @@ class ModelStore:
     def calls_path(self, rollout_id: str) -> Path:
         validate_name("rollout id", rollout_id)
         return self.root / "calls" / f"{rollout_id}.jsonl"
+
+    @property
+    def unattributed_calls_path(self) -> Path:
+        """Calls made without a rollout id; its name cannot be a rollout id (leading ``_``)."""
+        return self.root / "calls" / "_unattributed.jsonl"
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """The model's identity: ``(project, name)``."""
+        return self.project, self.name
 
     def checkpoint_steps(self) -> list[int]:
         """Steps with a complete checkpoint, ascending (temporary folders are ignored)."""
