@@ -12,6 +12,7 @@ size by h11 (``h11_max_incomplete_event_size``).
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -19,13 +20,17 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 HEAD_TIMEOUT_S = 10.0
 
 
+def head_timeout_s() -> float:
+    """Seconds a request head may take (``TRACERL_HEAD_TIMEOUT_S``, default 10)."""
+    return float(os.environ.get("TRACERL_HEAD_TIMEOUT_S", HEAD_TIMEOUT_S))
+
+
 class BoundedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with a deadline on each request head."""
 
-    head_timeout_s = HEAD_TIMEOUT_S
-
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.head_timeout_s = head_timeout_s()
         self._head_deadline: asyncio.TimerHandle | None = None
 
     def _arm_head_deadline(self) -> None:

@@ -9,14 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import zlib
 from typing import Any
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
 from ..core.errors import BadBodyEncodingError, BodyTimeoutError, BodyTooLargeError, RequestError
 
 BODY_TIMEOUT_S = 60.0
+
+
+def body_timeout_s() -> float:
+    """Seconds a request body may take to arrive (``TRACERL_BODY_TIMEOUT_S``, default 60)."""
+    return float(os.environ.get("TRACERL_BODY_TIMEOUT_S", BODY_TIMEOUT_S))
 
 
 def _refuse_constant(name: str) -> Any:
@@ -36,13 +43,16 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
 
 
 async def read_limited_body(request: Request, limit: int,
-                            timeout_s: float = BODY_TIMEOUT_S) -> bytes:
+                            timeout_s: float | None = None) -> bytes:
     """The request body, decompressed if gzipped; raises :class:`BodyTooLargeError` past
     ``limit`` and :class:`BodyTimeoutError` when it has not all arrived within ``timeout_s``
     (a client trickling its body cannot hold a connection)."""
+    timeout_s = body_timeout_s() if timeout_s is None else timeout_s
     try:
         async with asyncio.timeout(timeout_s):
             return await _read_limited_body(request, limit)
+    except ClientDisconnect:  # nobody is left to answer; nothing was parsed or written
+        raise RequestError("the client hung up before sending the whole body") from None
     except TimeoutError:
         raise BodyTimeoutError(
             f"the request body did not arrive within {timeout_s:g} s") from None
