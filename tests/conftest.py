@@ -122,3 +122,15 @@ def render_ids(tokenizer, messages, tools=None) -> list[int]:
         messages, tools=tools, add_generation_prompt=True, tokenize=False
     )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.fixture(scope="session")
+def faults_server(tmp_path_factory):
+    """One real ``tracerl serve`` process for the faults stage, with short head and body
+    deadlines (2 s) so that slow-client tests finish quickly."""
+    from tests.remote_server import ServerProcess
+
+    srv = ServerProcess(tmp_path_factory.mktemp("faults"),
+                        env={"TRACERL_HEAD_TIMEOUT_S": "2", "TRACERL_BODY_TIMEOUT_S": "2"}).start()
+    yield srv
+    srv.stop()

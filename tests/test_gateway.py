@@ -232,7 +232,7 @@ async def swapped(tf_backend, smollm2_path, tmp_path_factory):
                                                  max_tokens=4, temperature=0, logprobs=True)
         return [e.logprob for e in r.choices[0].logprobs.content]
 
-    route = backend.gateway.models[model.name]
+    route = backend.gateway.models[model.spec.key]
     assert route.step == 0, "the swap tests need the base model to be served first"
     before = await greedy_logprobs()
     adapter = await asyncio.to_thread(make_random_lora, smollm2_path,

@@ -101,7 +101,7 @@ async def test_vllm_streaming_is_recorded(vllm_backend):
 async def swapped(vllm_backend, smollm2_path, tmp_path_factory):
     """A greedy call to the base model, a random LoRA hot-swapped in as step 1, the same call."""
     backend, model = vllm_backend
-    route = backend.gateway.models[model.name]
+    route = backend.gateway.models[model.spec.key]
     assert route.step == 0, "the swap tests need the base model to be served first"
     before = await greedy_call(model)
     adapter = await asyncio.to_thread(make_random_lora, smollm2_path,
@@ -133,7 +133,7 @@ async def crashed(vllm_backend, smollm2_path, tmp_path_factory):
     """Serving a LoRA at step 7, vLLM's process group is killed (SIGKILL); the first call after
     the crash, then polls until the restarted engine answers, then a greedy call again."""
     backend, model = vllm_backend
-    route = backend.gateway.models[model.name]
+    route = backend.gateway.models[model.spec.key]
     adapter = await asyncio.to_thread(make_random_lora, smollm2_path,
                                       tmp_path_factory.mktemp("crash") / "lora", seed=7)
     await backend.call_on_gateway(route.swap_adapter(7, adapter))
@@ -207,7 +207,7 @@ def test_a_gpu_memory_share_outside_0_to_1_is_refused(share):
 async def test_gateway_lets_more_than_100_requests_reach_vllm_at_once(vllm_backend):
     """httpx2 pools 100 connections by default; the gateway must not cap rollouts there."""
     backend, model = vllm_backend
-    engine = backend.gateway.models[model.name].engine
+    engine = backend.gateway.models[model.spec.key].engine
     n, peak, done = 140, 0.0, asyncio.Event()
 
     async def watch_vllm_queue() -> None:  # running + waiting, from vLLM's own metrics
@@ -255,7 +255,7 @@ async def stalled(tmp_path_factory):
     await model.register(backend)
     body = {"model": model.name, "messages": MSGS, "max_tokens": 2}
     try:
-        engine = backend.gateway.models[model.name].engine
+        engine = backend.gateway.models[model.spec.key].engine
         pid = engine.process.pid
         async with httpx2.AsyncClient(base_url=model.inference_base_url, timeout=60) as http:
             os.killpg(pid, signal.SIGSTOP)  # API server and engine core frozen, process alive

@@ -254,10 +254,10 @@ async def test_gateway_records_name_the_replica_and_the_policy_version(versioned
     backend, model = versioned
     for p in servers:
         p.release()
-    route = backend.gateway.models["vgw"]
+    route = backend.gateway.models["tests/vgw"]
     for step in (1, 2):
         await backend.call_on_gateway(route.swap_adapter(step, Path(f"/adapters/{step}")))
-    assert [p.state()["adapters"] for p in servers] == [["vgw@1", "vgw@2"]] * 3
+    assert [p.state()["adapters"] for p in servers] == [["tests/vgw@1", "tests/vgw@2"]] * 3
     for rollout in ("g1", "g2", "g3", "g4"):
         for _ in range(2):
             answer = await gateway_call(model, rollout)
@@ -270,13 +270,14 @@ async def test_gateway_records_name_the_replica_and_the_policy_version(versioned
 
 async def test_a_rollout_finishes_on_its_version_while_it_stays_resident(versioned, servers):
     backend, model = versioned
-    route = backend.gateway.models["vgw"]
+    route = backend.gateway.models["tests/vgw"]
     await gateway_call(model, "pinned")  # first call: the newest version, 2
     await backend.call_on_gateway(route.swap_adapter(3, Path("/adapters/3")))
     await gateway_call(model, "pinned")  # still 2: resident beside 3
     await gateway_call(model, "newer")
     await backend.call_on_gateway(route.swap_adapter(4, Path("/adapters/4")))
-    assert [p.state()["adapters"] for p in servers] == [["vgw@3", "vgw@4"]] * 3  # 2 unloaded
+    assert [p.state()["adapters"] for p in servers] == [["tests/vgw@3", "tests/vgw@4"]] * 3
+    # (2 unloaded)
     await gateway_call(model, "pinned")  # 2 is gone: the rollout moves to the newest
     assert [c.adapter_step for c in await model.fetch_calls("pinned")] == [2, 2, 4]
     assert [c.adapter_step for c in await model.fetch_calls("newer")] == [3]

@@ -53,7 +53,7 @@ async def two_replicas(tmp_path_factory, smollm2_path):
             engine=tracerl.EngineConfig(dtype="float32", max_model_len=512, max_num_seqs=8,
                                         replicas=2, resident_adapters=2)))
     await model.register(backend)
-    route = backend.gateway.models["vr"]
+    route = backend.gateway.models["tests/vr"]
     rs: ReplicaSet = route.engine
     out = SimpleNamespace(backend=backend, model=model, rs=rs)
     try:
@@ -104,8 +104,8 @@ def test_both_replicas_serve_an_adapter_identically(two_replicas):
 
 
 def test_versions_are_loaded_on_every_replica_and_the_oldest_unloaded(two_replicas):
-    assert all({"vr@1", "vr@2"} <= models for models in two_replicas.after_2)
-    assert all({"vr@2", "vr@3"} <= models and "vr@1" not in models
+    assert all({"tests/vr@1", "tests/vr@2"} <= models for models in two_replicas.after_2)
+    assert all({"tests/vr@2", "tests/vr@3"} <= models and "tests/vr@1" not in models
                for models in two_replicas.after_3)
 
 
@@ -126,11 +126,11 @@ def test_calls_in_flight_on_a_killed_replica_are_retried_on_the_other(two_replic
 
 def test_a_killed_replica_is_restarted_with_the_resident_adapters(two_replicas):
     assert two_replicas.restarted.engine.process.pid != two_replicas.old_pid
-    assert {"vr@2", "vr@3"} <= two_replicas.restarted_models
+    assert {"tests/vr@2", "tests/vr@3"} <= two_replicas.restarted_models
 
 
 def test_a_replica_added_mid_run_loads_the_adapters_before_taking_traffic(two_replicas):
     assert two_replicas.joined == "r2"
-    assert {"vr@2", "vr@3"} <= two_replicas.joined_models
+    assert {"tests/vr@2", "tests/vr@3"} <= two_replicas.joined_models
     assert {c.metadata["replica"] for c in two_replicas.after_rejoin} == {"r0", "r1", "r2"}
     assert len({tuple(c.completions[0].token_ids) for c in two_replicas.after_rejoin}) == 1

@@ -9,6 +9,7 @@ past its deadline gets 504: never a hang.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import time
@@ -18,7 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..core.context import MAX_TAGS_BYTES, ROLLOUT_HEADER, TAGS_HEADER
 from ..core.engine import (
@@ -47,8 +50,12 @@ from .recorder import (
     strip_for_caller,
 )
 from .request_body import parse_json_object, read_limited_body
+from .request_validation import check_request
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
+PARSE_IN_THREAD_BYTES = 256 * 1024
+MAX_CHARS_PER_TOKEN = 256  # a prompt longer than this many characters per token cannot fit
+STREAM_CLOSE_TIMEOUT_S = 5.0
 MAX_PINNED_ROLLOUTS = 65536  # rollouts whose policy version is remembered (oldest forgotten)
 
 
@@ -65,33 +72,65 @@ def error_response(e: TracerlError) -> JSONResponse:
 
 
 class _SwapLock:
-    """Requests share it; an adapter swap waits for requests in flight and holds new ones."""
+    """Requests share it; an adapter swap waits for requests in flight and holds new ones.
 
-    def __init__(self) -> None:
+    Releasing a read is synchronous (no ``await``), so a cancelled request or a closed stream
+    cannot leave its reader counted; every wait has a deadline and says what it waited for.
+    """
+
+    def __init__(self, model: str = "") -> None:
+        self.model = model
         self._readers = 0
-        self._cond = asyncio.Condition()
-        self._swapping = False
+        self._idle = asyncio.Event()  # set while no request is in flight
+        self._idle.set()
+        self._open = asyncio.Event()  # set while no swap is running or waiting
+        self._open.set()
+        self._swapper = asyncio.Lock()
 
-    async def acquire_read(self) -> None:
-        async with self._cond:
-            await self._cond.wait_for(lambda: not self._swapping)
-            self._readers += 1
+    @property
+    def readers(self) -> int:
+        return self._readers
 
-    async def release_read(self) -> None:
-        async with self._cond:
-            self._readers -= 1
-            self._cond.notify_all()
+    async def acquire_read(self, timeout_s: float) -> None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                while not self._open.is_set():
+                    await self._open.wait()
+        except TimeoutError:
+            raise EngineTimeoutError(
+                f"waited {timeout_s:g} s for the adapter swap of model {self.model} to finish"
+            ) from None
+        self._readers += 1
+        self._idle.clear()
 
-    async def __aenter__(self) -> None:
-        async with self._cond:
-            await self._cond.wait_for(lambda: not self._swapping)
-            self._swapping = True
-            await self._cond.wait_for(lambda: self._readers == 0)
+    def release_read(self) -> None:
+        self._readers -= 1
+        if self._readers <= 0:
+            self._readers = 0
+            self._idle.set()
 
-    async def __aexit__(self, *exc: object) -> None:
-        async with self._cond:
-            self._swapping = False
-            self._cond.notify_all()
+    @contextlib.asynccontextmanager
+    async def swapping(self, timeout_s: float) -> AsyncIterator[None]:
+        """Hold new requests, wait (at most ``timeout_s``) for those in flight, then swap."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._swapper.acquire()
+        except TimeoutError:
+            raise EngineTimeoutError(f"waited {timeout_s:g} s for another adapter swap of model "
+                                     f"{self.model}") from None
+        try:
+            self._open.clear()
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await self._idle.wait()
+            except TimeoutError:
+                raise EngineTimeoutError(
+                    f"waited {timeout_s:g} s for {self._readers} call(s) in flight on model "
+                    f"{self.model} to finish before swapping its adapter") from None
+            yield
+        finally:
+            self._open.set()
+            self._swapper.release()
 
 
 @dataclass(frozen=True)
@@ -128,7 +167,8 @@ def parse_tags(header: str | None) -> dict[str, Any] | None:
 
 @dataclass
 class ServedModel:
-    """A trainable model's route: requests for ``name`` go to its newest adapter."""
+    """A trainable model's route: requests for ``name`` (or ``project/name``, always unique) go
+    to its newest adapter. Its identity is the (project, name) pair of its ``store``."""
 
     name: str
     engine: Engine
@@ -139,13 +179,30 @@ class ServedModel:
     versions: dict[int, Any] = field(default_factory=dict)  # resident step -> adapter path
     pins: OrderedDict[str, int] = field(default_factory=OrderedDict)  # rollout -> its version
 
+    def __post_init__(self) -> None:
+        self.swap.model = self.key
+
+    @property
+    def key(self) -> str:
+        """``project/name``: the route's identity (two projects may share a model name)."""
+        return f"{self.store.project}/{self.name}"
+
+    @property
+    def adapter_name(self) -> str:
+        """The adapter's name in the engine: one per (project, name), never shared."""
+        return self.key
+
+    @property
+    def timeout_s(self) -> float:
+        return self.engine.spec.config.request_timeout_s
+
     async def swap_adapter(self, step: int, path: Any) -> None:
         """Serve checkpoint ``step``. One resident version: swapped in place once calls in
         flight have finished (new calls wait). Several: ``step`` is loaded beside the others as
         ``name@step``; the oldest beyond ``resident`` is unloaded once no call uses it."""
         if self.resident <= 1:
-            async with self.swap:
-                await self.engine.load_adapter(self.name, path)
+            async with self.swap.swapping(self.timeout_s + 30.0):
+                await self.engine.load_adapter(self.adapter_name, path)
                 self.step = step
             return
         await self.engine.load_adapter(self.lora_name(step), path)
@@ -153,7 +210,7 @@ class ServedModel:
         self.step = max(self.step, step)
         retired = sorted(self.versions)[:-self.resident]
         if retired:
-            async with self.swap:
+            async with self.swap.swapping(self.timeout_s + 30.0):
                 for old in retired:
                     del self.versions[old]
                     await self.engine.unload_adapter(self.lora_name(old))
@@ -168,7 +225,7 @@ class ServedModel:
         return step
 
     def lora_name(self, step: int) -> str:
-        return self.name if self.resident <= 1 else f"{self.name}@{step}"
+        return self.adapter_name if self.resident <= 1 else f"{self.adapter_name}@{step}"
 
     def _resident(self, step: int) -> bool:
         if step == 0:
@@ -214,22 +271,38 @@ class Gateway:
     def __init__(self, api_key: str | None = None, restart_grace_s: float = 30.0) -> None:
         self.api_key = api_key
         self.restart_grace_s = restart_grace_s
-        self.models: dict[str, ServedModel] = {}
+        self.models: dict[str, ServedModel] = {}  # by project/name
         self.calls = CallStore()
         self._restarts: dict[int, asyncio.Task] = {}
+        self._streams: set[asyncio.Task] = set()  # stream pumps in flight (kept referenced)
         self.app = self._build_app()
 
     # --- routing ---------------------------------------------------------------------------
 
     def add_model(self, served: ServedModel) -> None:
-        self.models[served.name] = served
+        self.models[served.key] = served
+
+    def model_id(self, served: ServedModel) -> str:
+        """The model name callers use: ``name`` while no other project serves that name, else
+        ``project/name``."""
+        shared = any(m.name == served.name and m is not served for m in self.models.values())
+        return served.key if shared else served.name
 
     def _route(self, requested: Any, rollout_id: str | None = None
                ) -> tuple[ServedModel, str, int | None]:
         if not isinstance(requested, str) or not requested:
             raise EngineRequestError("you must provide a model parameter", param="model")
         name = requested.partition("@")[0]
-        served = self.models.get(name)
+        served = self.models.get(name) if "/" in name else None
+        if served is None and "/" not in name:
+            named = [m for m in self.models.values() if m.name == name]
+            if len(named) > 1:
+                raise EngineRequestError(
+                    f"The model `{requested}` is ambiguous: projects "
+                    f"{sorted(m.store.project for m in named)} each have a model `{name}`; "
+                    f"use one of {sorted(m.key for m in named)}",
+                    status=404, param="model", code="model_not_found")
+            served = named[0] if named else None
         if served is None:
             for m in self.models.values():
                 if m.engine.spec.served_name == requested:
@@ -237,11 +310,13 @@ class Gateway:
                     break
         if served is None:
             known = sorted(
-                {*self.models, *(m.engine.spec.served_name for m in self.models.values())}
+                {*self.models, *(self.model_id(m) for m in self.models.values()),
+                 *(m.engine.spec.served_name for m in self.models.values())}
             )
             raise EngineRequestError(f"The model `{requested}` does not exist. Served: {known}",
                                      status=404, param="model", code="model_not_found")
-        engine_model, step = served.resolve(requested, rollout_id)
+        engine_model, step = served.resolve(requested.rpartition("/")[2]
+                                            if "/" in name else requested, rollout_id)
         return served, engine_model, step
 
     def _schedule_restart(self, engine: Engine) -> None:
@@ -278,16 +353,37 @@ class Gateway:
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="tracerl gateway", docs_url=None, redoc_url=None)
 
+        @app.middleware("http")
+        async def authenticate_first(request: Request, call_next: Any) -> Any:
+            # before any route reads the body; the schema and unknown routes are covered too
+            if request.url.path != "/health" and (denied := self.check_auth(request)):
+                return denied
+            return await call_next(request)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+            if e.status_code == 404:
+                return openai_error(404, f"Unknown route: {request.method} {request.url.path}",
+                                    code="not_found")
+            return openai_error(e.status_code, str(e.detail), code=f"http_{e.status_code}")
+
+        @app.exception_handler(RequestValidationError)
+        async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+            first = (e.errors() or [{}])[0]
+            where = ".".join(str(p) for p in first.get("loc", ()))
+            return openai_error(400, f"invalid {where}: {first.get('msg', 'invalid value')}",
+                                param=where or None, code="invalid_request")
+
         @app.get("/health")
         async def health() -> dict[str, Any]:  # no key needed, so it tells nothing about models
             return {"status": "ok"}
 
         async def list_models(request: Request) -> Any:
-            if (denied := self.check_auth(request)) is not None:
-                return denied
             data = []
             for m in self.models.values():
-                for mid in (m.name, f"{m.name}@{m.step}", m.engine.spec.served_name):
+                ids = dict.fromkeys((self.model_id(m), m.key, f"{self.model_id(m)}@{m.step}",
+                                     m.engine.spec.served_name))
+                for mid in ids:
                     data.append({"id": mid, "object": "model", "created": 0, "owned_by": "tracerl"})
             return {"object": "list", "data": data}
 
@@ -304,35 +400,35 @@ class Gateway:
         return app
 
     async def _read_body(self, request: Request) -> dict[str, Any]:
-        return parse_json_object(await read_limited_body(request, MAX_BODY_BYTES))
+        raw = await read_limited_body(request, MAX_BODY_BYTES)
+        if len(raw) > PARSE_IN_THREAD_BYTES:  # a large body must not stall the event loop
+            return await asyncio.to_thread(parse_json_object, raw)
+        return parse_json_object(raw)
 
     @staticmethod
-    def _check_body(endpoint: str, body: dict[str, Any]) -> None:
+    def _check_body(endpoint: str, body: dict[str, Any], served: ServedModel) -> None:
+        config = served.engine.spec.config
+        check_request(endpoint, body, max_model_len=config.max_model_len)
         if endpoint == "chat.completions":
-            msgs = body.get("messages")
-            if not isinstance(msgs, list) or not msgs:
-                raise EngineRequestError("messages must be a non-empty list", param="messages")
-            for i, m in enumerate(msgs):
-                if not isinstance(m, dict) or "role" not in m:
-                    raise EngineRequestError(f"messages[{i}] must be an object with a role",
-                                             param=f"messages[{i}]")
+            chars = sum(len(json.dumps(m.get("content"))) for m in body["messages"])
         else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-                raise EngineRequestError("send one prompt per request (a string or token ids) so "
-                                         "the call can be recorded exactly", param="prompt")
+            chars = len(body["prompt"]) if isinstance(body["prompt"], str) else 0
+        if chars > config.max_model_len * MAX_CHARS_PER_TOKEN:
+            raise EngineRequestError(
+                f"This model's maximum context length is {config.max_model_len} tokens; the "
+                f"prompt has {chars} characters, more than that many tokens can hold",
+                param="messages" if endpoint == "chat.completions" else "prompt",
+                code="context_length_exceeded")
 
     async def _handle(self, request: Request, endpoint: str, path_rollout: str | None) -> Any:
-        if (denied := self.check_auth(request)) is not None:
-            return denied
         try:
             body = await self._read_body(request)
             rollout_id = path_rollout or request.headers.get(ROLLOUT_HEADER)
             if rollout_id is not None:
                 validate_name("rollout id", rollout_id)
             who = Attribution(rollout_id, parse_tags(request.headers.get(TAGS_HEADER)))
-            self._check_body(endpoint, body)
             served, engine_model, step = self._route(body.get("model"), rollout_id)
+            self._check_body(endpoint, body, served)
         except (EngineRequestError, RequestError) as e:
             return error_response(e)
         except ConfigError as e:  # the rollout id
@@ -341,20 +437,25 @@ class Gateway:
         engine_body = inject_training_fields(endpoint, {**body, "model": engine_model})
         route = CallRoute(who.rollout_id)  # a replica set keeps the rollout on one server
         current_route.set(route)
-        timeout = served.engine.spec.config.request_timeout_s
+        timeout = served.timeout_s
         if body.get("stream"):
             if endpoint != "chat.completions":
                 return error_response(EngineRequestError(
                     "streaming is supported for chat completions only", param="stream"))
             return await self._stream(served, engine_body, body, who, step, timeout, route)
 
-        await served.swap.acquire_read()
+        try:
+            await served.swap.acquire_read(timeout)
+        except EngineTimeoutError as e:
+            return error_response(e)
         step = served.still_served(step, body, who.rollout_id, engine_body)
         started = time.perf_counter()
         try:
             call = (
                 served.engine.chat if endpoint == "chat.completions" else served.engine.completions
             )
+            # a request past its deadline is cancelled, in the engine too (vLLM: the HTTP
+            # request is closed, which aborts it; transformers: its sequences stop)
             response = await asyncio.wait_for(call(engine_body), timeout)
         except EngineRequestError as e:
             return error_response(e)
@@ -367,7 +468,7 @@ class Gateway:
             return error_response(EngineUnavailableError(
                 f"the inference engine is unavailable and is being restarted: {e}"))
         finally:
-            await served.swap.release_read()
+            served.swap.release_read()
         response["model"] = body["model"]
         await self._record(served, endpoint, body, response, who, step,
                            time.perf_counter() - started, streamed=False, route=route)
@@ -376,6 +477,7 @@ class Gateway:
     async def _record(self, served: ServedModel, endpoint: str, body: dict[str, Any],
                       response: dict[str, Any] | None, who: Attribution, step: int | None,
                       latency: float, streamed: bool, error: str | None = None,
+                      metadata: dict[str, Any] | None = None,
                       route: CallRoute | None = None) -> None:
         call = build_call(
             endpoint=endpoint,
@@ -390,6 +492,7 @@ class Gateway:
         )
         if who.tags:
             call.metadata["tags"] = who.tags
+        call.metadata.update(metadata or {})
         if route is not None and route.replica is not None:
             call.metadata["replica"] = route.replica
         # Serialising and fsyncing a record takes milliseconds: done in a worker thread, so that
@@ -408,58 +511,106 @@ class Gateway:
     async def _stream(self, served: ServedModel, engine_body: dict[str, Any], body: dict[str, Any],
                       who: Attribution, step: int | None, timeout: float,
                       route: CallRoute | None = None) -> Any:
-        """Forward SSE chunks as they come while assembling the record."""
-        await served.swap.acquire_read()
-        step = served.still_served(step, body, who.rollout_id, engine_body)
-        started = time.perf_counter()
-        stream = served.engine.chat_stream(engine_body)
-        try:  # the first chunk is awaited here so that engine errors become proper statuses
-            first = await asyncio.wait_for(anext(stream), timeout)
-        except StopAsyncIteration:
-            first = None
-        except EngineRequestError as e:
-            await served.swap.release_read()
+        """Forward SSE chunks as they come while a task of the gateway's own assembles and
+        records the call.
+
+        The task (:meth:`_pump_stream`), not the response's generator, holds the reader count
+        and releases it: a client that hangs up at any point, or a response that is never
+        iterated, cannot leave the swap lock held. A hang-up cancels the task, which closes the
+        engine's stream (vLLM aborts the request) and records what was generated, marked
+        ``disconnected``.
+        """
+        try:
+            await served.swap.acquire_read(timeout)
+        except EngineTimeoutError as e:
             return error_response(e)
-        except (EngineError, TimeoutError) as e:
-            await served.swap.release_read()
-            self._schedule_restart(served.engine)
-            return error_response(EngineUnavailableError(
-                f"the inference engine is unavailable: {e}"))
+        step = served.still_served(step, body, who.rollout_id, engine_body)
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue[bytes | None] = asyncio.Queue()
+        first: asyncio.Future[TracerlError | None] = loop.create_future()
+        pump = asyncio.create_task(self._pump_stream(
+            served, engine_body, body, who, step, loop.time() + timeout, out, first, route))
+        self._streams.add(pump)
+        pump.add_done_callback(self._streams.discard)
+        try:  # the first chunk is awaited here so that engine errors become proper statuses
+            failed = await asyncio.shield(first)
+        except asyncio.CancelledError:
+            pump.cancel()
+            raise
+        if failed is not None:
+            return error_response(failed)
 
         async def events() -> AsyncIterator[bytes]:
-            assembler = StreamAssembler()
-            error = None
+            ended = False
             try:
-                chunk = first
+                while (data := await out.get()) is not None:
+                    yield data
+                ended = True
+            finally:  # if this never runs, the pump still ends by its deadline
+                if not ended:
+                    pump.cancel()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def _pump_stream(self, served: ServedModel, engine_body: dict[str, Any],
+                           body: dict[str, Any], who: Attribution, step: int | None,
+                           deadline: float, out: asyncio.Queue[bytes | None],
+                           first: asyncio.Future[TracerlError | None],
+                           route: CallRoute | None = None) -> None:
+        started = time.perf_counter()
+        assembler = StreamAssembler()
+        stream = served.engine.chat_stream(engine_body)
+        error: str | None = None
+        sent = 0
+        disconnected = False
+        try:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    chunk = await anext(stream, None)
+            except EngineRequestError as e:  # refused before generating: nothing to record
+                first.set_result(e)
+                return
+            except TimeoutError:
+                self._schedule_restart(served.engine)
+                first.set_result(EngineTimeoutError(
+                    f"the engine did not start the stream within {served.timeout_s} s"))
+                return
+            except EngineError as e:
+                self._schedule_restart(served.engine)
+                first.set_result(EngineUnavailableError(
+                    f"the inference engine is unavailable: {e}"))
+                return
+            first.set_result(None)
+            async with asyncio.timeout_at(deadline):
                 while chunk is not None:
                     assembler.add(chunk)
                     chunk["model"] = body["model"]
-                    yield (
-                        b"data: "
-                        + json.dumps(strip_for_caller("chat.completions", body, chunk)).encode()
-                        + b"\n\n"
-                    )
-                    try:
-                        chunk = await asyncio.wait_for(anext(stream), timeout)
-                    except StopAsyncIteration:
-                        chunk = None
-                yield b"data: [DONE]\n\n"
-            except (EngineError, TimeoutError) as e:
-                error = f"stream broke off: {e or type(e).__name__}"
-                self._schedule_restart(served.engine)
-                payload = {
-                    "error": {
-                        "message": error,
-                        "type": "service_unavailable",
-                        "param": None,
-                        "code": None,
-                    }
-                }
-                yield b"data: " + json.dumps(payload).encode() + b"\n\n"
-            finally:
-                await served.swap.release_read()
-                await self._record(served, "chat.completions", body, assembler.response(), who,
-                                   step, time.perf_counter() - started, streamed=True, error=error,
-                                   route=route)
-
-        return StreamingResponse(events(), media_type="text/event-stream")
+                    payload = strip_for_caller("chat.completions", body, chunk)
+                    out.put_nowait(b"data: " + json.dumps(payload).encode() + b"\n\n")
+                    sent += 1
+                    chunk = await anext(stream, None)
+            out.put_nowait(b"data: [DONE]\n\n")
+        except asyncio.CancelledError:  # the client hung up (or the server is stopping)
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]  # record it anyway
+            disconnected = True
+            error = f"client disconnected after {sent} chunk(s)"
+        except (EngineError, TimeoutError) as e:
+            error = f"stream broke off: {e or type(e).__name__}"
+            if isinstance(e, TimeoutError):
+                error = f"stream broke off: the engine did not finish within {served.timeout_s} s"
+            self._schedule_restart(served.engine)
+            payload = {"error": {"message": error, "type": "service_unavailable", "param": None,
+                                 "code": None}}
+            out.put_nowait(b"data: " + json.dumps(payload).encode() + b"\n\n")
+        finally:
+            served.swap.release_read()  # synchronous: nothing can interrupt it
+            out.put_nowait(None)
+            if not first.done():
+                first.set_result(EngineUnavailableError("the stream was cancelled"))
+        with contextlib.suppress(Exception):  # closing vLLM's stream aborts its request
+            async with asyncio.timeout(STREAM_CLOSE_TIMEOUT_S):
+                await stream.aclose()
+        await self._record(served, "chat.completions", body, assembler.response(), who, step,
+                           time.perf_counter() - started, streamed=True, error=error,
+                           metadata={"disconnected": True} if disconnected else None,
+                           route=route)

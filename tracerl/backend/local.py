@@ -77,8 +77,10 @@ class _GatewayThread:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = host, self.sock.getsockname()[1]
+        from .http_limits import uvicorn_options
+
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_keep_alive=30, limit_concurrency=4096)
+                                **uvicorn_options())
         self.server = uvicorn.Server(config)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self._run, name="tracerl-gateway", daemon=True)
@@ -245,7 +247,7 @@ class LocalBackend(Backend):
         store = self.store(model)
         key = str(store.root)
         if key not in self._policies:
-            engine = self.gateway.models[model.name].engine
+            engine = self.gateway.models[model.key].engine
             step = store.latest_step()
             self._policies[key] = Trainer(
                 model_path=engine.spec.model_path, lora=model.config.lora,
@@ -276,16 +278,17 @@ class LocalBackend(Backend):
         if engine.spec.served_name == model.name:
             raise ConfigError(f"model name {model.name!r} collides with its base model's "
                               "served name")
-        existing = self.gateway.models.get(model.name)
+        existing = self.gateway.models.get(model.key)
         if existing is None or existing.store.root != store.root:
             self.gateway.add_model(ServedModel(
                 name=model.name, engine=engine, store=store,
                 resident=model.config.engine.resident_adapters))
-        route = self.gateway.models[model.name]
+        route = self.gateway.models[model.key]
         step = store.latest_step()
         if step > 0 and route.step != step:
             await self._gateway().call(route.swap_adapter(step, store.checkpoint_dir(step)))
-        return InferenceEndpoint(self.base_url, self.api_key or "tracerl-local", model.name)
+        return InferenceEndpoint(self.base_url, self.api_key or "tracerl-local",
+                                 self.gateway.model_id(route))
 
     async def pending_groups(self, model: ModelLike) -> list[TrajectoryGroup]:
         """Groups saved for a step whose training never finished (a crash): train on them again
@@ -348,7 +351,7 @@ class LocalBackend(Backend):
         """Run ``step_fn`` (GRPO's ``train_step`` or SFT's ``sft_step``) as the model's next
         step, one step of this backend at a time."""
         model = self._placed(model)
-        route = self.gateway.models.get(model.name)
+        route = self.gateway.models.get(model.key)
         if route is None:
             raise TrainingError(f"model {model.key} is not registered with this backend")
         if self._train_lock.locked():

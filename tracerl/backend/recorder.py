@@ -16,8 +16,6 @@ from typing import Any
 from ..core.storage import ModelStore, append_jsonl, read_jsonl
 from ..core.trajectory import CompletionRecord, LLMCall
 
-UNATTRIBUTED = "unattributed"
-
 
 def inject_training_fields(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
     """The request the engine gets: the caller's, plus logprobs and token ids."""
@@ -203,7 +201,8 @@ class CallStore:
         return self._file_locks[hash(str(path)) % self._FILE_LOCKS]
 
     def add(self, store: ModelStore, call: LLMCall) -> None:
-        path = store.calls_path(call.rollout_id or UNATTRIBUTED)
+        rid = call.rollout_id
+        path = store.calls_path(rid) if rid is not None else store.unattributed_calls_path
         record = call.model_dump(mode="json")
         with self._file_lock(path):
             append_jsonl(path, record)

@@ -1,34 +1,64 @@
 """Reading request bodies with a size limit, before anything is parsed.
 
-The limit holds for the bytes on the wire (checked as they arrive, so a chunked upload cannot
-grow past it) and, for ``Content-Encoding: gzip``, for the decompressed bytes too.
+A body must arrive whole within a deadline. The limit holds for the bytes on the wire
+(checked as they arrive, so a chunked upload cannot grow past it) and, for
+``Content-Encoding: gzip``, for the decompressed bytes too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import zlib
 from typing import Any
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
-from ..core.errors import BadBodyEncodingError, BodyTooLargeError, RequestError
+from ..core.errors import BadBodyEncodingError, BodyTimeoutError, BodyTooLargeError, RequestError
+
+BODY_TIMEOUT_S = 60.0
+
+
+def body_timeout_s() -> float:
+    """Seconds a request body may take to arrive (``TRACERL_BODY_TIMEOUT_S``, default 60)."""
+    return float(os.environ.get("TRACERL_BODY_TIMEOUT_S", BODY_TIMEOUT_S))
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """A body that must be one JSON object."""
+    """A body that must be one JSON object: strict JSON (no NaN or Infinity), nesting and
+    integer sizes bounded by the parser (a 100k-deep array or a 5,000-digit integer is a 400)."""
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(f"request body is not valid JSON: {e}") from None
+        body = json.loads(raw, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, int digits, NaN
+        raise RequestError(f"request body is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
     return body
 
 
-async def read_limited_body(request: Request, limit: int) -> bytes:
+async def read_limited_body(request: Request, limit: int,
+                            timeout_s: float | None = None) -> bytes:
     """The request body, decompressed if gzipped; raises :class:`BodyTooLargeError` past
-    ``limit``."""
+    ``limit`` and :class:`BodyTimeoutError` when it has not all arrived within ``timeout_s``
+    (a client trickling its body cannot hold a connection)."""
+    timeout_s = body_timeout_s() if timeout_s is None else timeout_s
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _read_limited_body(request, limit)
+    except ClientDisconnect:  # nobody is left to answer; nothing was parsed or written
+        raise RequestError("the client hung up before sending the whole body") from None
+    except TimeoutError:
+        raise BodyTimeoutError(
+            f"the request body did not arrive within {timeout_s:g} s") from None
+
+
+async def _read_limited_body(request: Request, limit: int) -> bytes:
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise BodyTooLargeError(

@@ -7,7 +7,8 @@
     ├── ConfigError (ValueError)              invalid_config         400
     ├── RequestError (ValueError)             invalid_request        400
     │   ├── BadBodyEncodingError              bad_encoding           400
-    │   └── BodyTooLargeError                 body_too_large         413
+    │   ├── BodyTooLargeError                 body_too_large         413
+    │   └── BodyTimeoutError                  body_timeout           408
     ├── AuthenticationError (PermissionError) invalid_api_key        401
     ├── NotRegisteredError (RuntimeError)     model_not_registered   404
     ├── PluginError (RuntimeError)            plugin_error           500
@@ -72,6 +73,10 @@ class BadBodyEncodingError(RequestError, code="bad_encoding"):
 
 class BodyTooLargeError(RequestError, code="body_too_large", status=413):
     """The body is larger than the endpoint accepts."""
+
+
+class BodyTimeoutError(RequestError, code="body_timeout", status=408):
+    """The request body did not arrive within the server's deadline."""
 
 
 class AuthenticationError(TracerlError, PermissionError, code="invalid_api_key", status=401):

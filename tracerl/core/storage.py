@@ -7,6 +7,7 @@
     ``checkpoints/{step:04d}/``         LoRA adapters; a folder appears only when complete,
                                         with the step's train metrics in ``step_metrics.json``
     ``calls/{rollout_id}.jsonl``        raw gateway records (backend side)
+    ``calls/_unattributed.jsonl``       records of calls made without a rollout id
 
 Faults: every write here either completes or leaves the files as they were. A failed write
 (full disk, quota, ``ulimit -f``, I/O error) raises :class:`StorageError` (``DiskFullError`` for
@@ -35,14 +36,14 @@ from .errors import ConfigError, DiskFullError, StorageError
 log = logging.getLogger(__name__)
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # fullmatch: no trailing newline
 _CHECKPOINT_RE = re.compile(r"^\d{4,}$")
 STEP_METRICS = "step_metrics.json"
 
 
 def validate_name(kind: str, value: str) -> str:
     """Reject names that could escape a directory or confuse a URL (``..``, ``/``, spaces...)."""
-    if not isinstance(value, str) or not _NAME_RE.match(value) or ".." in value:
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value) or ".." in value:
         raise ConfigError(
             f"invalid {kind} name {value!r}: use 1-128 letters, digits, '.', '_' or '-', "
             "starting with a letter or digit, and no '..'"
@@ -259,6 +260,15 @@ class ModelStore:
             raise storage_error(e, "superseded file", path) from e
         log.warning("%s was recorded by an earlier attempt of the step: kept as %s", path, target)
         return target
+    @property
+    def unattributed_calls_path(self) -> Path:
+        """Calls made without a rollout id; its name cannot be a rollout id (leading ``_``)."""
+        return self.root / "calls" / "_unattributed.jsonl"
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """The model's identity: ``(project, name)``."""
+        return self.project, self.name
 
     def checkpoint_steps(self) -> list[int]:
         """Steps with a complete checkpoint, ascending (temporary folders are ignored)."""

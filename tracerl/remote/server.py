@@ -149,8 +149,9 @@ class ControlServer:
         @router.post("/models")
         async def register(request: Request) -> dict[str, Any]:
             model = await self.register(await self._json(request))
-            return {"model_name": model.name, "step": await self.backend.get_step(model),
-                    "gateway_path": "/v1"}
+            route = self.backend.gateway.models[model.key]  # unique across projects
+            return {"model_name": self.backend.gateway.model_id(route),
+                    "step": await self.backend.get_step(model), "gateway_path": "/v1"}
 
         @router.get("/models/{project}/{name}")
         async def get_model(project: str, name: str) -> dict[str, Any]:

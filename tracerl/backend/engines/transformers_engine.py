@@ -3,7 +3,9 @@
 Concurrent requests with the same sampling settings are batched (left-padded) into one
 ``generate`` call on a single worker thread. Logprobs are those of the processed distribution
 (after temperature and top-p), like vLLM's ``processed_logprobs`` mode, so the recorded values
-are the sampling policy's. Streaming is emitted after generation, token by token.
+are the sampling policy's. Each request gets its answer as soon as its own sequences end, and a
+request past its deadline stops its sequences. Tokenization runs off the event loop. Streaming is
+emitted after generation, token by token.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +37,6 @@ class _Job:
     adapter: str | None
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
-    results: list[tuple[list[int], list[float], str]] = field(default_factory=list)
 
     @property
     def key(self) -> tuple:
@@ -59,6 +60,7 @@ class TransformersEngine(Engine):
         self.model: Any = None
         self.tokenizer: Any = None
         self._adapters: dict[str, Path] = {}
+        self._peft_names: dict[str, str] = {}
         self._queue: asyncio.Queue[_Job] | None = None
         self._batcher: asyncio.Task | None = None
         self._lock = threading.Lock()
@@ -105,8 +107,15 @@ class TransformersEngine(Engine):
         await asyncio.to_thread(self._load_adapter, lora_name, Path(path))
         self._adapters[lora_name] = Path(path)
 
+    def _peft_name(self, lora_name: str) -> str:
+        """peft's name for an adapter: served names may hold '/' and '.', which module names
+        may not."""
+        return self._peft_names.setdefault(lora_name, f"adapter{len(self._peft_names)}")
+
     def _load_adapter(self, lora_name: str, path: Path) -> None:
         from peft import PeftModel
+
+        lora_name = self._peft_name(lora_name)
 
         with self._lock:
             if not hasattr(self.model, "peft_config"):
@@ -123,7 +132,7 @@ class TransformersEngine(Engine):
         if model_name == self.spec.served_name:
             return None
         if model_name in self._adapters:
-            return model_name
+            return self._peft_name(model_name)
         raise EngineRequestError(f"The model `{model_name}` does not exist.", status=404,
                                  param="model", code="model_not_found")
 
@@ -180,19 +189,19 @@ class TransformersEngine(Engine):
                 (batch if same else rest).append(job)
             for job in rest:
                 self._queue.put_nowait(job)
+            batch = [job for job in batch if not job.future.done()]  # past their deadline
+            if not batch:
+                continue
             try:
                 await asyncio.to_thread(self._generate, batch)
             except Exception as e:
                 for job in batch:
                     if not job.future.done():
                         job.future.set_exception(e)
-            else:
-                for job in batch:
-                    if not job.future.done():
-                        job.future.set_result(job.results)
 
     def _generate(self, batch: list[_Job]) -> None:
         import torch
+        from transformers import StoppingCriteriaList
 
         tok = self.tokenizer
         rows = [(job, job.prompt_ids) for job in batch for _ in range(job.n)]
@@ -213,6 +222,7 @@ class TransformersEngine(Engine):
         if sample:
             gen_kwargs.update(temperature=first.temperature, top_p=first.top_p, top_k=0)
         eos = self._eos_ids()
+        handback = _SequenceHandback([job for job, _ in rows], eos)
         with self._lock, torch.inference_mode():
             model = self.model
             if first.adapter is not None:
@@ -221,32 +231,14 @@ class TransformersEngine(Engine):
             else:
                 ctx = model.disable_adapter() if hasattr(model, "peft_config") else _null()
             with ctx:
-                out = model.generate(
+                model.generate(
                     input_ids=input_ids, attention_mask=attention,
                     max_new_tokens=max(job.max_tokens for job in batch),
                     pad_token_id=pad, eos_token_id=list(eos), output_scores=True,
-                    return_dict_in_generate=True, **gen_kwargs,
+                    return_dict_in_generate=True,
+                    stopping_criteria=StoppingCriteriaList([handback]), **gen_kwargs,
                 )
-        new = out.sequences[:, width:]
-        new_cpu = new.cpu()
-        steps = len(out.scores)
-        logprobs = None
-        if steps:  # only the sampled tokens' logprobs leave the device
-            picked = [torch.log_softmax(s.float(), dim=-1).gather(-1, new[:, t:t + 1])
-                      for t, s in enumerate(out.scores)]
-            logprobs = torch.cat(picked, dim=1).cpu()
-        for row, (job, _) in enumerate(rows):
-            ids: list[int] = []
-            lps: list[float] = []
-            finish = "length"
-            for t in range(min(steps, job.max_tokens)):
-                token = int(new_cpu[row, t])
-                ids.append(token)
-                lps.append(float(logprobs[row, t]))  # type: ignore[index]
-                if token in eos:
-                    finish = "stop"
-                    break
-            job.results.append((ids, lps, finish))
+        handback.finish_all()
 
     def _eos_ids(self) -> set[int]:
         eos = self.model.generation_config.eos_token_id
@@ -270,7 +262,7 @@ class TransformersEngine(Engine):
         return out
 
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
-        prompt_ids = self.render_chat(body)
+        prompt_ids = await asyncio.to_thread(self.render_chat, body)  # CPU work off the loop
         results = await self._submit(prompt_ids, body)
         parser = PARSERS.get(self.spec.config.tool_call_parser or "") if body.get("tools") else None
         choices = []
@@ -338,8 +330,9 @@ class TransformersEngine(Engine):
 
     async def completions(self, body: dict[str, Any]) -> dict[str, Any]:
         prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            prompt_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        if isinstance(prompt, str):  # tokenized off the event loop
+            prompt_ids = (await asyncio.to_thread(
+                self.tokenizer, prompt, add_special_tokens=False))["input_ids"]
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             prompt_ids = list(prompt)
         else:
@@ -380,6 +373,64 @@ class TransformersEngine(Engine):
                 "total_tokens": len(prompt_ids) + completion_tokens,
             },
         }
+
+
+class _SequenceHandback:
+    """A stopping criterion that records each row's tokens and logprobs as they are sampled
+    (of the processed distribution, like vLLM's ``processed_logprobs``), stops a row at its own
+    ``max_tokens`` or end of sequence, and hands a request its answer as soon as all its rows have
+    ended, instead of when the batch's longest row ends. A request whose future is done (past its
+    deadline, cancelled) stops its rows at once; the batch stops when every row has."""
+
+    def __init__(self, jobs: list[_Job], eos: set[int]) -> None:
+        self.jobs = jobs
+        self.eos = eos
+        self.ids: list[list[int]] = [[] for _ in jobs]
+        self.lps: list[list[float]] = [[] for _ in jobs]
+        self.finish: list[str | None] = [None for _ in jobs]
+        self._handed: set[int] = set()
+
+    def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+        import torch
+
+        step_scores = scores[-1] if isinstance(scores, tuple) else scores
+        tokens = input_ids[:, -1:]
+        lps = torch.log_softmax(step_scores.float(), dim=-1).gather(-1, tokens)[:, 0].tolist()
+        tokens = tokens[:, 0].tolist()
+        for row, job in enumerate(self.jobs):
+            if self.finish[row] is not None:
+                continue
+            if job.future.done():
+                self.finish[row] = "cancelled"
+                continue
+            self.ids[row].append(int(tokens[row]))
+            self.lps[row].append(float(lps[row]))
+            if tokens[row] in self.eos:
+                self.finish[row] = "stop"
+            elif len(self.ids[row]) >= job.max_tokens:
+                self.finish[row] = "length"
+        self._hand_back_ended()
+        return torch.tensor([f is not None for f in self.finish], device=input_ids.device)
+
+    def _hand_back_ended(self) -> None:
+        for job in {id(j): j for j in self.jobs}.values():
+            if id(job) in self._handed:
+                continue
+            rows = [r for r, j in enumerate(self.jobs) if j is job]
+            if all(self.finish[r] is not None for r in rows):
+                self._handed.add(id(job))
+                results = [(self.ids[r], self.lps[r], self.finish[r] or "length") for r in rows]
+                job.loop.call_soon_threadsafe(_resolve, job.future, results)
+
+    def finish_all(self) -> None:
+        """After ``generate``: rows it ended without a criterion verdict end by length."""
+        self.finish = [f or "length" for f in self.finish]
+        self._hand_back_ended()
+
+
+def _resolve(future: asyncio.Future, results: list[tuple[list[int], list[float], str]]) -> None:
+    if not future.done():
+        future.set_result(results)
 
 
 class _null:

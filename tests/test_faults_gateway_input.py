@@ -1,0 +1,233 @@
+"""Bad input against a real ``tracerl serve`` process: a table of malformed fields, then
+property-based fuzzing of the gateway and the control API (hypothesis, and schemathesis from the
+server's OpenAPI schema). Every refusal is a 4xx naming the field; nothing answers 5xx; nothing is
+written on a 4xx."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from urllib.parse import quote
+
+import httpx2
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tracerl
+from tests.remote_server import API_KEY
+
+AUTH = {"authorization": f"Bearer {API_KEY}"}
+CONFIG = tracerl.ModelConfig(engine=tracerl.EngineConfig(max_model_len=256))
+MODEL = "inputs"
+USER = [{"role": "user", "content": "hi"}]
+FUZZ_EXAMPLES = 120
+
+
+def files_of(root: Path) -> dict[str, int]:
+    """Every file under ``root`` with its size: a write shows as a change."""
+    return {str(p): p.stat().st_size for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+async def inputs_model(faults_server):
+    backend = tracerl.RemoteBackend(faults_server.url, api_key=API_KEY)
+    model = tracerl.TrainableModel(name=MODEL, project="fi", base_model="smollm2", config=CONFIG)
+    await model.register(backend)
+    yield model
+    await backend.close()
+
+
+@pytest.fixture(scope="module")
+def http(faults_server, inputs_model):
+    with httpx2.Client(base_url=faults_server.url, headers=AUTH, timeout=60) as client:
+        yield client
+
+
+def chat(**fields) -> dict:
+    return {"model": MODEL, "messages": USER, "max_tokens": 2, **fields}
+
+
+DEEP = b"[" * 100_000 + b"]" * 100_000
+BAD_FIELDS = {
+    # id: (endpoint, raw body or JSON object, status, the param the error names)
+    "nan": ("chat", b'{"model": "inputs", "messages": [], "temperature": NaN}', 400, None),
+    "infinity": ("chat", b'{"model": "inputs", "temperature": Infinity}', 400, None),
+    "100k-deep": ("chat", b'{"model": "inputs", "messages": ' + DEEP + b"}", 400, None),
+    "5000-digit-int": ("chat", b'{"model": "inputs", "n": ' + b"9" * 5000 + b"}", 400, None),
+    "lone-surrogate": ("chat", b'{"model": "inputs", "messages": [{"role": "user", '
+                               b'"content": "\\ud800"}]}', 400, "messages[0].content"),
+    "unknown-role": ("chat", chat(messages=[{"role": "wizard", "content": "x"}]), 400,
+                     "messages[0].role"),
+    "content-int": ("chat", chat(messages=[{"role": "user", "content": 5}]), 400,
+                    "messages[0].content"),
+    "part-without-text": ("chat", chat(messages=[{"role": "user", "content": [{"type": "text"}]}]),
+                          400, "messages[0].content[0].text"),
+    "n-zero": ("chat", chat(n=0), 400, "n"),
+    "n-huge": ("chat", chat(n=100_000), 400, "n"),
+    "n-float": ("chat", chat(n=1.5), 400, "n"),
+    "n-bool": ("chat", chat(n=True), 400, "n"),
+    "max-tokens-zero": ("chat", chat(max_tokens=0), 400, "max_tokens"),
+    "max-tokens-huge": ("chat", chat(max_tokens=10**9), 400, "max_tokens"),
+    "max-tokens-string": ("chat", chat(max_tokens="8"), 400, "max_tokens"),
+    "max-completion-tokens-neg": ("chat", chat(max_completion_tokens=-1), 400,
+                                  "max_completion_tokens"),
+    "top-logprobs-21": ("chat", chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+    "logprobs-string": ("chat", chat(logprobs="yes"), 400, "logprobs"),
+    "temperature-negative": ("chat", chat(temperature=-1), 400, "temperature"),
+    "temperature-3": ("chat", chat(temperature=3), 400, "temperature"),
+    "top-p-zero": ("chat", chat(top_p=0), 400, "top_p"),
+    "presence-penalty": ("chat", chat(presence_penalty=9), 400, "presence_penalty"),
+    "stop-five": ("chat", chat(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
+    "stop-int": ("chat", chat(stop=5), 400, "stop"),
+    "stream-string": ("chat", chat(stream="yes"), 400, "stream"),
+    "seed-string": ("chat", chat(seed="1"), 400, "seed"),
+    "tools-not-list": ("chat", chat(tools={"a": 1}), 400, "tools"),
+    "tool-without-name": ("chat", chat(tools=[{"type": "function", "function": {}}]), 400,
+                          "tools[0].function.name"),
+    "tool-choice-missing-tool": ("chat", chat(
+        tools=[{"type": "function", "function": {"name": "a"}}],
+        tool_choice={"type": "function", "function": {"name": "b"}}), 400, "tool_choice"),
+    "tool-choice-required-no-tools": ("chat", chat(tool_choice="required"), 400, "tool_choice"),
+    "response-format-string": ("chat", chat(response_format="json"), 400, "response_format"),
+    "model-int": ("chat", chat(model=5), 400, "model"),
+    "model-unknown": ("chat", chat(model="nope"), 404, "model"),
+    "prompt-beyond-vocab": ("completions", {"model": MODEL, "prompt": [10**7], "max_tokens": 2},
+                            400, "prompt"),
+    "prompt-negative-id": ("completions", {"model": MODEL, "prompt": [-1], "max_tokens": 2}, 400,
+                           "prompt"),
+    "prompt-dict": ("completions", {"model": MODEL, "prompt": {"a": 1}}, 400, "prompt"),
+    "prompt-batch": ("completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
+    "completion-logprobs-6": ("completions", {"model": MODEL, "prompt": "a", "logprobs": 6}, 400,
+                              "logprobs"),
+    "prompt-over-context": ("completions", {"model": MODEL, "prompt": "word " * 100_000}, 400,
+                            "prompt"),
+}
+
+
+@pytest.mark.parametrize("endpoint, body, status, param", BAD_FIELDS.values(),
+                         ids=list(BAD_FIELDS))
+def test_a_malformed_field_is_a_4xx_naming_it_and_writes_nothing(http, faults_server, endpoint,
+                                                                   body, status, param):
+    before = files_of(faults_server.path / "data")
+    rid = "bad-" + uuid.uuid4().hex[:8]
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    path = "/chat/completions" if endpoint == "chat" else "/completions"
+    r = http.post(f"/rollouts/{rid}/v1{path}", content=raw,
+                  headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text[:500]
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    assert files_of(faults_server.path / "data") == before
+
+
+@pytest.mark.parametrize("rollout_id", ["abc%0A", "abc%0D%0A", "%2E%2E", "a%00b"])
+def test_a_rollout_id_with_a_control_character_is_refused(http, faults_server, rollout_id):
+    before = files_of(faults_server.path / "data")
+    r = http.post(f"/rollouts/{rollout_id}/v1/chat/completions", json=chat())
+    assert r.status_code in (400, 404), r.text
+    assert files_of(faults_server.path / "data") == before
+
+
+# --- property-based fuzzing ----------------------------------------------------------------------
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False)
+    | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=4),
+    max_leaves=12)
+FIELDS = ["model", "messages", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+          "top_logprobs", "logprobs", "stop", "stream", "seed", "tools", "tool_choice",
+          "response_format", "presence_penalty", "stream_options", "return_token_ids", "user",
+          "logit_bias"]
+FUZZ = settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None,
+                suppress_health_check=list(HealthCheck))
+
+
+def _no_5xx_and_no_write_on_4xx(http: httpx2.Client, data: Path, method: str, path: str,
+                                **kwargs) -> httpx2.Response:
+    before = files_of(data)
+    r = http.request(method, path, **kwargs)
+    assert r.status_code < 500, (path, kwargs, r.text[:500])
+    if 400 <= r.status_code < 500:
+        assert "error" in r.json()
+        assert files_of(data) == before, (path, kwargs, r.text[:300])
+    return r
+
+
+def test_fuzzed_chat_fields_never_get_a_5xx_or_write_on_a_4xx(http, faults_server):
+    data = faults_server.path / "data"
+
+    @FUZZ
+    @given(field=st.sampled_from(FIELDS), value=JSON,
+           message=st.dictionaries(st.sampled_from(["role", "content", "name", "tool_calls"]),
+                                   JSON, max_size=3))
+    def check(field, value, message):
+        body = chat(**{field: value})
+        if field == "messages" and isinstance(value, dict):
+            body["messages"] = [message]
+        body.setdefault("max_tokens", 2)
+        _no_5xx_and_no_write_on_4xx(http, data, "POST",
+                                    f"/rollouts/fz-{uuid.uuid4().hex[:8]}/v1/chat/completions",
+                                    json=body)
+
+    check()
+
+
+def test_fuzzed_control_api_bodies_never_get_a_5xx(http, faults_server):
+    data = faults_server.path / "data"
+
+    @FUZZ
+    @given(route=st.sampled_from(["/api/v1/models", f"/api/v1/models/fi/{MODEL}/log",
+                                  f"/api/v1/models/fi/{MODEL}/checkpoints/delete",
+                                  f"/api/v1/models/fi/{MODEL}/train"]),
+           body=st.dictionaries(st.sampled_from(["name", "project", "base_model", "config",
+                                                 "keep_steps", "split", "step", "metrics",
+                                                 "request_id", "trainable"]), JSON, max_size=5))
+    def check(route, body):
+        r = _no_5xx_and_no_write_on_4xx(http, data, "POST", route,
+                                        content=json.dumps(body).encode())
+        assert r.status_code != 200 or route != f"/api/v1/models/fi/{MODEL}/train"
+
+    check()
+
+
+def test_fuzzed_path_names_never_get_a_5xx(http, faults_server):
+    data = faults_server.path / "data"
+
+    @FUZZ
+    @given(project=st.text(min_size=1, max_size=12), name=st.text(min_size=1, max_size=12),
+           tail=st.sampled_from(["", "/history", "/pending", "/calls/x"]))
+    def check(project, name, tail):
+        seg = [quote(s, safe="", errors="surrogatepass") for s in (project, name)]
+        _no_5xx_and_no_write_on_4xx(http, data, "GET", f"/api/v1/models/{seg[0]}/{seg[1]}{tail}")
+
+    check()
+
+
+def test_schemathesis_cases_from_the_openapi_schema_never_get_a_5xx(http, faults_server):
+    schema = schemathesis.openapi.from_url(faults_server.url + "/openapi.json", headers=AUTH,
+                                           timeout=30)
+    data = faults_server.path / "data"
+    tried = 0
+    for result in schema.get_all_operations():
+        operation = result.ok()
+
+        @settings(max_examples=15, deadline=None, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(case=operation.as_strategy())
+        def check(case):
+            before = files_of(data)
+            r = case.call(base_url=faults_server.url, headers=AUTH, timeout=60)
+            assert r.status_code < 500, (case.method, case.formatted_path, r.text[:300])
+            if 400 <= r.status_code < 500:
+                assert files_of(data) == before
+
+        check()
+        tried += 1
+    assert tried >= 10

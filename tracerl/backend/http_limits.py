@@ -1,0 +1,76 @@
+"""Connection bounds that uvicorn lacks: a deadline for each request's head.
+
+uvicorn's keep-alive timer is cancelled by the first byte a client sends and is not armed at all
+on a fresh connection, so an idle connection, or one that sends its headers a byte at a time,
+holds a slot forever (thousands of them turn every call into 503 at ``limit_concurrency``).
+:class:`BoundedH11Protocol` closes a connection whose request head has not arrived whole within
+``HEAD_TIMEOUT_S`` of the connection opening or of the previous response ending. Bodies have their
+own deadline (:func:`~tracerl.backend.request_body.read_limited_body`); headers are limited in
+size by h11 (``h11_max_incomplete_event_size``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+HEAD_TIMEOUT_S = 10.0
+
+
+def head_timeout_s() -> float:
+    """Seconds a request head may take (``TRACERL_HEAD_TIMEOUT_S``, default 10)."""
+    return float(os.environ.get("TRACERL_HEAD_TIMEOUT_S", HEAD_TIMEOUT_S))
+
+
+class BoundedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on each request head."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.head_timeout_s = head_timeout_s()
+        self._head_deadline: asyncio.TimerHandle | None = None
+
+    def _arm_head_deadline(self) -> None:
+        self._disarm_head_deadline()
+        self._head_deadline = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+    def _disarm_head_deadline(self) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+
+    def _head_timed_out(self) -> None:
+        self._head_deadline = None
+        if self.transport.is_closing():
+            return
+        if self.cycle is None or self.cycle.response_complete:  # still waiting for a head
+            self.transport.close()
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_head_deadline()
+        super().connection_lost(exc)
+
+    def handle_events(self) -> None:
+        before = self.cycle
+        super().handle_events()
+        if self.cycle is not before:  # a request head arrived whole
+            self._disarm_head_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and (self.cycle is None
+                                                or self.cycle.response_complete):
+            self._arm_head_deadline()
+
+
+def uvicorn_options() -> dict[str, Any]:
+    """The bounds every tracerl server runs uvicorn with."""
+    return {"http": BoundedH11Protocol, "timeout_keep_alive": 30, "limit_concurrency": 4096,
+            "h11_max_incomplete_event_size": 64 * 1024}
