@@ -3,6 +3,7 @@
 In flow order (one request, then one training step):
 - ``gateway.py``: the OpenAI-compatible endpoint; routes a call to its model's engine.
 - ``request_body.py``: request bodies read under size limits (gateway and control API).
+- ``protocols/``: Responses and Anthropic Messages, rendered on the chat path.
 - ``recorder.py``: turns engine answers into token-exact ``LLMCall`` records, kept per rollout.
 - ``engines/``: vLLM (a server subprocess) and transformers (in process) behind ``Engine``.
 - ``chat_template.py``: chat templates, the same for serving and training.

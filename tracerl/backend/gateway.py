@@ -36,6 +36,9 @@ from ..core.errors import (
 )
 from ..core.lifecycle import llm_call_recorded
 from ..core.storage import ModelStore, validate_name
+from .protocols.anthropic_messages import AnthropicMessages
+from .protocols.base import Exchange
+from .protocols.responses import Responses
 from .recorder import (
     CallStore,
     StreamAssembler,
@@ -166,6 +169,7 @@ class Gateway:
         self.restart_grace_s = restart_grace_s
         self.models: dict[str, ServedModel] = {}
         self.calls = CallStore()
+        self.protocols = {"responses": Responses(), "anthropic.messages": AnthropicMessages()}
         self._restarts: dict[int, asyncio.Task] = {}
         self.app = self._build_app()
 
@@ -246,10 +250,19 @@ class Gateway:
         async def completions(request: Request, rollout_id: str | None = None) -> Any:
             return await self._handle(request, "completions", rollout_id)
 
+        async def responses(request: Request, rollout_id: str | None = None) -> Any:
+            return await self._handle(request, "chat.completions", rollout_id, "responses")
+
+        async def messages(request: Request, rollout_id: str | None = None) -> Any:
+            return await self._handle(request, "chat.completions", rollout_id,
+                                      "anthropic.messages")
+
         for prefix in ("", "/rollouts/{rollout_id}"):
             app.add_api_route(prefix + "/v1/models", list_models, methods=["GET"])
             app.add_api_route(prefix + "/v1/chat/completions", chat, methods=["POST"])
             app.add_api_route(prefix + "/v1/completions", completions, methods=["POST"])
+            app.add_api_route(prefix + "/v1/responses", responses, methods=["POST"])
+            app.add_api_route(prefix + "/v1/messages", messages, methods=["POST"])
         return app
 
     async def _read_body(self, request: Request) -> dict[str, Any]:
@@ -271,11 +284,17 @@ class Gateway:
                 raise EngineRequestError("send one prompt per request (a string or token ids) so "
                                          "the call can be recorded exactly", param="prompt")
 
-    async def _handle(self, request: Request, endpoint: str, path_rollout: str | None) -> Any:
+    async def _handle(self, request: Request, endpoint: str, path_rollout: str | None,
+                      protocol: str | None = None) -> Any:
+        """One call; a ``protocol`` (Responses, Anthropic Messages) is rendered on chat."""
         if (denied := self.check_auth(request)) is not None:
             return denied
+        exchange: Exchange | None = None
         try:
             body = await self._read_body(request)
+            if protocol is not None:
+                exchange = self.protocols[protocol].begin(body)
+                body = exchange.chat_body
             rollout_id = path_rollout or request.headers.get(ROLLOUT_HEADER)
             if rollout_id is not None:
                 validate_name("rollout id", rollout_id)
@@ -293,7 +312,7 @@ class Gateway:
             if endpoint != "chat.completions":
                 return error_response(EngineRequestError(
                     "streaming is supported for chat completions only", param="stream"))
-            return await self._stream(served, engine_body, body, who, step, timeout)
+            return await self._stream(served, engine_body, body, who, step, timeout, exchange)
 
         await served.swap.acquire_read()
         started = time.perf_counter()
@@ -316,12 +335,14 @@ class Gateway:
             await served.swap.release_read()
         response["model"] = body["model"]
         await self._record(served, endpoint, body, response, who, step,
-                           time.perf_counter() - started, streamed=False)
-        return JSONResponse(strip_for_caller(endpoint, body, response))
+                           time.perf_counter() - started, streamed=False, exchange=exchange)
+        answer = strip_for_caller(endpoint, body, response)
+        return JSONResponse(answer if exchange is None else exchange.answer(response))
 
     async def _record(self, served: ServedModel, endpoint: str, body: dict[str, Any],
                       response: dict[str, Any] | None, who: Attribution, step: int | None,
-                      latency: float, streamed: bool, error: str | None = None) -> None:
+                      latency: float, streamed: bool, error: str | None = None,
+                      exchange: Exchange | None = None) -> None:
         call = build_call(
             endpoint=endpoint,
             caller_body=body,
@@ -335,6 +356,8 @@ class Gateway:
         )
         if who.tags:
             call.metadata["tags"] = who.tags
+        if exchange is not None:
+            call.metadata.update(exchange.metadata)
         # Serialising and fsyncing a record takes milliseconds: done in a worker thread, so that
         # hundreds of concurrent calls do not queue behind each other's disk writes. The caller
         # gets its answer only once the record is on disk; the write and the plugin hook happen
@@ -349,8 +372,10 @@ class Gateway:
         await asyncio.shield(written)
 
     async def _stream(self, served: ServedModel, engine_body: dict[str, Any], body: dict[str, Any],
-                      who: Attribution, step: int | None, timeout: float) -> Any:
-        """Forward SSE chunks as they come while assembling the record."""
+                      who: Attribution, step: int | None, timeout: float,
+                      exchange: Exchange | None = None) -> Any:
+        """Forward SSE chunks as they come while assembling the record; the record is on disk
+        before the final event (``[DONE]``, ``response.completed``, ``message_stop``)."""
         await served.swap.acquire_read()
         started = time.perf_counter()
         stream = served.engine.chat_stream(engine_body)
@@ -367,39 +392,51 @@ class Gateway:
             return error_response(EngineUnavailableError(
                 f"the inference engine is unavailable: {e}"))
 
+        assembler = StreamAssembler()
+        recorded = False
+
+        async def finish(error: str | None) -> None:
+            nonlocal recorded
+            if recorded:
+                return
+            recorded = True
+            await served.swap.release_read()
+            await self._record(served, "chat.completions", body, assembler.response(), who,
+                               step, time.perf_counter() - started, streamed=True, error=error,
+                               exchange=exchange)
+
         async def events() -> AsyncIterator[bytes]:
-            assembler = StreamAssembler()
             error = None
             try:
                 chunk = first
                 while chunk is not None:
                     assembler.add(chunk)
                     chunk["model"] = body["model"]
-                    yield (
-                        b"data: "
-                        + json.dumps(strip_for_caller("chat.completions", body, chunk)).encode()
-                        + b"\n\n"
-                    )
+                    if exchange is not None:
+                        for event in exchange.stream_events(chunk):
+                            yield event
+                    else:
+                        caller_chunk = strip_for_caller("chat.completions", body, chunk)
+                        yield b"data: " + json.dumps(caller_chunk).encode() + b"\n\n"
                     try:
                         chunk = await asyncio.wait_for(anext(stream), timeout)
                     except StopAsyncIteration:
                         chunk = None
-                yield b"data: [DONE]\n\n"
+                await finish(None)
+                for event in [b"data: [DONE]\n\n"] if exchange is None else \
+                        exchange.final_events():
+                    yield event
             except (EngineError, TimeoutError) as e:
                 error = f"stream broke off: {e or type(e).__name__}"
                 self._schedule_restart(served.engine)
-                payload = {
-                    "error": {
-                        "message": error,
-                        "type": "service_unavailable",
-                        "param": None,
-                        "code": None,
-                    }
-                }
-                yield b"data: " + json.dumps(payload).encode() + b"\n\n"
+                await finish(error)
+                if exchange is not None:
+                    yield exchange.error_event(error)
+                else:
+                    payload = {"error": {"message": error, "type": "service_unavailable",
+                                         "param": None, "code": None}}
+                    yield b"data: " + json.dumps(payload).encode() + b"\n\n"
             finally:
-                await served.swap.release_read()
-                await self._record(served, "chat.completions", body, assembler.response(), who,
-                                   step, time.perf_counter() - started, streamed=True, error=error)
+                await finish(error)
 
         return StreamingResponse(events(), media_type="text/event-stream")
