@@ -115,8 +115,9 @@ def as_anthropic(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 {"type": "tool_use", "id": t["id"], "name": t["function"]["name"],
                  "input": json.loads(t["function"]["arguments"])} for t in m["tool_calls"]]})
         elif m["role"] == "tool":
-            out.append({"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": m["tool_call_id"], "content": m["content"]}]})
+            result = {"type": "tool_result", "tool_use_id": m["tool_call_id"],
+                      "content": m["content"]}
+            out.append({"role": "user", "content": [result]})
         else:
             out.append({"role": m["role"], "content": m["content"]})
     return out
@@ -179,7 +180,7 @@ def node_modules(tmp_path_factory) -> Path | None:
 
 def check(calls: list[tracerl.LLMCall], contents: list[str], api: str) -> dict[str, bool]:
     ok = len(calls) == 2
-    first, second = (calls + [None, None])[:2] if ok else (None, None)
+    first, second = calls if ok else (None, None)
     seen = contents + [(c.response or {}).get("choices", [{}])[0].get("message", {})
                        .get("content") or "" for c in calls]
     out = {

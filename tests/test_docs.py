@@ -5,8 +5,8 @@ every hook; the error tree drawn in ``errors.py`` is the tree the classes form."
 from __future__ import annotations
 
 import ast
-import json
 import inspect
+import json
 import re
 import textwrap
 from pathlib import Path

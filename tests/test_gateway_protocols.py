@@ -42,8 +42,9 @@ BAD_REQUESTS = {
     "messages-bad-role": ("messages", {"max_tokens": 4, "messages": [{"role": "tool",
                                                                       "content": "x"}]},
                           400, "messages[0].role"),
-    "messages-image-block": ("messages", {"max_tokens": 4, "messages": [{"role": "user", "content": [
-        {"type": "image", "source": {}}]}]}, 400, "messages[0].content[0].type"),
+    "messages-image-block": ("messages", {"max_tokens": 4, "messages": [
+        {"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400,
+        "messages[0].content[0].type"),
     "messages-tool-result-without-id": ("messages", {"max_tokens": 4, "messages": [
         {"role": "user", "content": [{"type": "tool_result", "content": "7"}]}]}, 400,
         "messages[0].content[0].tool_use_id"),
@@ -159,7 +160,7 @@ async def test_messages_text_stream_events_are_in_the_spec_order(tf_backend) -> 
     assert kinds[:2] == ["message_start", "content_block_start"]
     assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
     assert set(kinds[2:-3]) == {"content_block_delta"}
-    delta = json.loads([line for line in lines if '"message_delta"' in line][0][6:])
+    delta = json.loads(next(line for line in lines if '"message_delta"' in line)[6:])
     assert delta["delta"]["stop_reason"] == "max_tokens" and delta["usage"]["output_tokens"] == 4
 
 
