@@ -18,17 +18,18 @@ END = "<!-- /certified-harnesses -->"
 
 
 def matrix(results: dict) -> str:
-    """The markdown table: one row per run, one column per check."""
+    """The markdown table: one row per engine and run, one column per check."""
     checks = results["checks"]
-    lines = [f"Engine: {results['engine']}, model: {results['model']}.", "",
-             "| harness | " + " | ".join(c.replace("_", " ") for c in checks) + " |",
-             "|---" * (len(checks) + 1) + "|"]
-    for run, result in results["runs"].items():
-        if "skipped" in result:
-            cells = ["skipped"] * len(checks)
-        else:
-            cells = ["yes" if result["checks"][c] else "**no**" for c in checks]
-        lines.append(f"| {run} | " + " | ".join(cells) + " |")
+    lines = [f"Model: {results['model']}.", "",
+             "| engine | harness | " + " | ".join(c.replace("_", " ") for c in checks) + " |",
+             "|---" * (len(checks) + 2) + "|"]
+    for engine, runs in sorted(results["engines"].items()):
+        for run, result in runs.items():
+            if "skipped" in result:
+                cells = ["skipped"] * len(checks)
+            else:
+                cells = ["yes" if result["checks"][c] else "**no**" for c in checks]
+            lines.append(f"| {engine} | {run} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

