@@ -7,17 +7,18 @@ and engine work never block each other; training runs in a worker thread.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..core.backend import Backend, InferenceEndpoint, TrainEvent
-from ..core.config import TrainConfig
+from ..core.backend import Backend, InferenceEndpoint, LocalTrainResult, TrainEvent, TrainResult
+from ..core.config import EngineConfig, TrainConfig, TrainSFTConfig
 from ..core.engine import Engine, EngineError, EngineSpec
 from ..core.errors import ConfigError, TrainingError
 from ..core.hookspecs import hookimpl
@@ -25,7 +26,16 @@ from ..core.model_spec import ModelLike, ModelSpec, spec_of
 from ..core.net import is_loopback
 from ..core.plugins import collect_classes
 from ..core.storage import ModelStore
-from ..core.trajectory import LLMCall, TrajectoryGroup, read_groups_jsonl, write_groups_jsonl
+from ..core.trajectory import (
+    LLMCall,
+    Trajectory,
+    TrajectoryGroup,
+    read_groups_jsonl,
+    write_groups_jsonl,
+)
+from .engines.replica_set import build_engine
+from .publishing import AdapterPublisher
+from .training.sft import sft_step
 from .training.step import train_step
 
 if TYPE_CHECKING:
@@ -33,6 +43,10 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+
+# EngineConfig fields saying where inference runs: the operator's to set (`tracerl serve`)
+PLACEMENT_FIELDS = ("replicas", "replicas_per_gpu", "gpus_per_replica", "replica_urls",
+                    "replica_failure", "publish_dir", "publish_mount")
 
 
 def choose_engine(requested: str) -> type[Engine]:
@@ -92,8 +106,10 @@ class _GatewayThread:
 class _ServingOnGateway:
     """A model's engine and route, driven from a training step (on the gateway's loop)."""
 
-    def __init__(self, gateway: _GatewayThread, route: Any, engine: Engine) -> None:
+    def __init__(self, gateway: _GatewayThread, route: Any, engine: Engine,
+                 publisher: AdapterPublisher | None = None) -> None:
         self.gateway, self.route, self.engine = gateway, route, engine
+        self.publisher = publisher
 
     async def sleep(self) -> None:
         await self.gateway.call(self.engine.sleep())
@@ -102,7 +118,16 @@ class _ServingOnGateway:
         await self.gateway.call(self.engine.wake_up())
 
     async def publish(self, step: int, adapter: Path) -> None:
-        await self.gateway.call(self.route.swap_adapter(step, adapter))
+        """Write ``policy@step`` to the publish location (if one is set), load it on every
+        server, then delete published versions no longer resident."""
+        if self.publisher is None:
+            await self.gateway.call(self.route.swap_adapter(step, adapter))
+            return
+        name = self.route.name
+        served = await asyncio.to_thread(self.publisher.publish, name, step, adapter)
+        await self.gateway.call(self.route.swap_adapter(step, served))
+        keep = set(self.route.versions) | {step}
+        await asyncio.to_thread(self.publisher.retire, name, keep)
 
 
 class LocalBackend(Backend):
@@ -117,7 +142,8 @@ class LocalBackend(Backend):
 
     def __init__(self, *, path: str | Path | None = None, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, engine: str | None = None,
-                 in_process: bool = False, heartbeat_s: float = 30.0) -> None:
+                 in_process: bool = False, heartbeat_s: float = 30.0,
+                 placement: dict[str, Any] | None = None) -> None:
         from .gateway import Gateway
 
         del in_process
@@ -128,6 +154,12 @@ class LocalBackend(Backend):
         self.host, self.port = host, port
         self.api_key = api_key
         self.engine_override = engine
+        if placement is not None:  # validated now, not at the first registration
+            unknown = set(placement) - set(PLACEMENT_FIELDS)
+            if unknown:
+                raise ConfigError(f"placement: unknown fields {sorted(unknown)}")
+            EngineConfig(**placement)
+        self.placement = placement
         self.heartbeat_s = heartbeat_s
         self.gateway = Gateway(api_key=api_key)
         self._thread: _GatewayThread | None = None
@@ -177,12 +209,34 @@ class LocalBackend(Backend):
                model.config.lora.model_dump_json())
         engine = self._engines.get(key)
         if engine is None:
-            cls = choose_engine(self.engine_override or model.config.engine.engine)
-            engine = cls(EngineSpec(model_path=model_path, served_name=model_path.name,
-                                    config=model.config.engine, lora=model.config.lora))
+            cls = None if model.config.engine.replica_urls else choose_engine(
+                self.engine_override or model.config.engine.engine)
+            engine = build_engine(cls, EngineSpec(
+                model_path=model_path, served_name=model_path.name, config=model.config.engine,
+                lora=model.config.lora))
             await self._gateway().call(engine.start())
             self._engines[key] = engine
         return engine
+
+    def _placed(self, model: ModelLike) -> ModelSpec:
+        """``model`` with this backend's placement (replicas, publish location) in place of its
+        own, when the backend has one (``tracerl serve``: clients do not choose servers)."""
+        model = spec_of(model)
+        if self.placement is None:
+            return model
+        engine = EngineConfig(**{**model.config.engine.model_dump(),
+                                 **{f: EngineConfig.model_fields[f].get_default(
+                                     call_default_factory=True) for f in PLACEMENT_FIELDS},
+                                 **self.placement})
+        return model.model_copy(update={"config": model.config.model_copy(
+            update={"engine": engine})})
+
+    @staticmethod
+    def _publisher(model: ModelSpec) -> AdapterPublisher | None:
+        """Where ``model``'s adapters are published for the servers (None: its checkpoints)."""
+        engine = model.config.engine
+        return AdapterPublisher(engine.publish_dir, engine.publish_mount) \
+            if engine.publish_dir else None
 
     def _policy(self, model: ModelSpec) -> Trainer:
         """The trained policy of ``model`` (loaded on first use, from its newest checkpoint)."""
@@ -206,11 +260,16 @@ class LocalBackend(Backend):
         from .gateway import ServedModel
         from .weights import resolve_base_model
 
-        model = spec_of(model)
+        model = self._placed(model)
+        if not model.trainable and not model.base_model:
+            # a comparison model served elsewhere (ART's `art.Model(inference_base_url=...)`):
+            # registered for logging only; it keeps its own endpoint
+            self.store(model).write_definition(model.definition())
+            return InferenceEndpoint("", "", model.name)
         if not model.base_model:
             raise ConfigError(f"model {model.key} has no base_model to serve")
         store = self.store(model)
-        store.remove_partial_checkpoints()
+        store.recover()  # partial checkpoints go; a crash-lost history line comes back
         store.write_definition(model.definition())
         model_path = await asyncio.to_thread(resolve_base_model, model.base_model)
         engine = await self._engine_for(model, model_path)
@@ -219,7 +278,9 @@ class LocalBackend(Backend):
                               "served name")
         existing = self.gateway.models.get(model.name)
         if existing is None or existing.store.root != store.root:
-            self.gateway.add_model(ServedModel(name=model.name, engine=engine, store=store))
+            self.gateway.add_model(ServedModel(
+                name=model.name, engine=engine, store=store,
+                resident=model.config.engine.resident_adapters))
         route = self.gateway.models[model.name]
         step = store.latest_step()
         if step > 0 and route.step != step:
@@ -243,7 +304,13 @@ class LocalBackend(Backend):
                   metrics: dict[str, float]) -> None:
         store = self.store(model)
         path = store.trajectories_path(split, step)
-        write_groups_jsonl(path, groups, append=True)  # several log() calls of one step add up
+        # several log() calls of one step add up; a group already in the file (ART's
+        # `model.log(groups, split="train", step=result.step)` after the step saved them) is not
+        # written twice
+        saved = set(path.read_text().splitlines()) if path.exists() else set()
+        new = [g for g in groups if g.model_dump_json() not in saved]
+        if new:
+            write_groups_jsonl(path, new, append=True)
         store.log_history(step, split, metrics)
 
     async def history(self, model: ModelLike) -> list[dict[str, Any]]:
@@ -252,9 +319,35 @@ class LocalBackend(Backend):
     async def delete_checkpoints(self, model: ModelLike, keep_steps: set[int]) -> list[int]:
         return self.store(model).delete_checkpoints(keep_steps)
 
-    async def train(self, model: ModelLike, groups: list[TrajectoryGroup], config: TrainConfig
-                    ) -> AsyncIterator[TrainEvent]:
-        model = spec_of(model)
+    async def train(self, model: ModelLike, trajectory_groups: Iterable[TrajectoryGroup],
+                    *args: Any, **kwargs: Any) -> LocalTrainResult:
+        """ART 0.5's ``backend.train`` (see :meth:`Backend.train`), with the checkpoint's folder."""
+        result = await super().train(model, trajectory_groups, *args, **kwargs)
+        checkpoint = self.store(model).checkpoint_dir(result.step)
+        return LocalTrainResult(result.step, result.metrics,
+                                str(checkpoint) if checkpoint.exists() else None)
+
+    async def train_events(self, model: ModelLike, groups: list[TrajectoryGroup],
+                           config: TrainConfig) -> AsyncIterator[TrainEvent]:
+        async for event in self._run_step(model, functools.partial(train_step, groups=groups,
+                                                                   config=config)):
+            yield event
+
+    async def train_sft(self, model: ModelLike, trajectories: list[Trajectory],
+                        config: TrainSFTConfig) -> TrainResult:
+        """One supervised step (:mod:`tracerl.backend.training.sft`): a new checkpoint."""
+        result = TrainResult(step=0)
+        async for event in self._run_step(model, functools.partial(
+                sft_step, trajectories=trajectories, config=config)):
+            if event.kind == "done":
+                result = TrainResult(event.step, dict(event.metrics))
+        return result
+
+    async def _run_step(self, model: ModelLike, step_fn: Callable[..., AsyncIterator[TrainEvent]]
+                        ) -> AsyncIterator[TrainEvent]:
+        """Run ``step_fn`` (GRPO's ``train_step`` or SFT's ``sft_step``) as the model's next
+        step, one step of this backend at a time."""
+        model = self._placed(model)
         route = self.gateway.models.get(model.name)
         if route is None:
             raise TrainingError(f"model {model.key} is not registered with this backend")
@@ -263,10 +356,11 @@ class LocalBackend(Backend):
                                 "await it first")
         async with self._train_lock:
             store = self.store(model)
-            async for event in train_step(
-                    store.latest_step() + 1, groups, config, store=store,
+            async for event in step_fn(
+                    step=store.latest_step() + 1, store=store,
                     load_policy=lambda: self._policy(model),
-                    serving=_ServingOnGateway(self._gateway(), route, route.engine),
+                    serving=_ServingOnGateway(self._gateway(), route, route.engine,
+                                              self._publisher(model)),
                     heartbeat_s=self.heartbeat_s):
                 yield event
 

@@ -3,13 +3,15 @@
     save the groups -> rows -> advantages -> micro-batched loss -> optimizer step
     -> atomic checkpoint -> publish the adapter
 
-:func:`train_step` is the whole step as the backend runs it; :func:`grpo_update` is its
-middle, the part that touches the weights (run in a worker thread).
+:func:`train_step` is the whole step as the backend runs it; :func:`run_update` its frame
+(shared with SFT), :func:`grpo_update` its middle, the part that touches the weights (run in a
+worker thread).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -19,8 +21,8 @@ from typing import TYPE_CHECKING, Protocol
 from ...core.backend import TrainEvent
 from ...core.config import TrainConfig
 from ...core.metrics import summarize_groups
-from ...core.storage import ModelStore, atomic_directory
-from ...core.trajectory import TrajectoryGroup, write_groups_jsonl
+from ...core.storage import STEP_METRICS, ModelStore, atomic_directory, atomic_write_text
+from ...core.trajectory import TrajectoryGroup, group_lines, write_groups_jsonl
 from .advantages import group_advantages
 from .rows import Row, RowStats, rows_from_calls, rows_from_messages
 
@@ -49,28 +51,49 @@ async def train_step(step: int, groups: list[TrajectoryGroup], config: TrainConf
     """Train checkpoint ``step`` on ``groups``; yields started, heartbeats, done."""
     # 1. save the groups: a step's data is on disk before anything trains on it (a crashed
     #    step is trained again from this file: backend.pending_groups)
-    write_groups_jsonl(store.trajectories_path("train", step), groups)
+    saved = store.trajectories_path("train", step)
+    store.set_aside(saved, keep_if=group_lines(groups).encode())  # an earlier attempt's groups
+    write_groups_jsonl(saved, groups)
+    async for event in run_update(
+            step, lambda policy: grpo_update(policy, groups, config), summary=summarize_groups(
+                groups), store=store, load_policy=load_policy, serving=serving,
+            heartbeat_s=heartbeat_s):
+        yield event
+
+
+async def run_update(step: int, update: Callable[[Trainer], dict[str, float]], *,
+                     summary: dict[str, float], store: ModelStore,
+                     load_policy: Callable[[], Trainer], serving: Serving,
+                     heartbeat_s: float = 30.0) -> AsyncIterator[TrainEvent]:
+    """The frame of every step that changes the adapter (GRPO here, SFT in ``sft.py``):
+    ``update(policy)`` runs in a worker thread while the engine sleeps, then checkpoint ``step``
+    is written atomically with the step's metrics (``summary`` + the update's) in it, its
+    history line appended, and it is published. Yields started, heartbeats, done."""
+    store.recover()  # a history line lost to a failed write or a crash comes back first
     yield TrainEvent("started", step)
     started = time.perf_counter()
     await serving.sleep()
     try:
         policy = await asyncio.to_thread(load_policy)
         # 2-5. rows -> advantages -> micro-batched loss -> optimizer step
-        update = asyncio.ensure_future(asyncio.to_thread(grpo_update, policy, groups, config))
-        while not update.done():
-            await asyncio.wait({update}, timeout=heartbeat_s)
-            if not update.done():
+        work = asyncio.ensure_future(asyncio.to_thread(update, policy))
+        while not work.done():
+            await asyncio.wait({work}, timeout=heartbeat_s)
+            if not work.done():
                 yield TrainEvent("heartbeat", step, elapsed_s=time.perf_counter() - started)
-        metrics = update.result()
+        metrics = work.result()
     finally:
         await serving.wake_up()
-    # 6. atomic checkpoint: the folder appears whole, or not at all
+    metrics = {**summary, **metrics, "seconds": time.perf_counter() - started}
+    # 6. atomic checkpoint: the folder appears whole, or not at all, with the step's metrics in
+    #    it, so that a crash before the history line is written loses nothing
+    #    (ModelStore.recover writes the line again from them)
     with atomic_directory(store.checkpoint_dir(step)) as tmp:
         await asyncio.to_thread(policy.save, tmp)
+        atomic_write_text(tmp / STEP_METRICS, json.dumps(metrics, allow_nan=False))
+    store.log_history(step, "train", metrics)
     # 7. publish: the next rollouts are served by the new adapter
     await serving.publish(step, store.checkpoint_dir(step))
-    metrics = {**summarize_groups(groups), **metrics, "seconds": time.perf_counter() - started}
-    store.log_history(step, "train", metrics)
     yield TrainEvent("done", step, metrics=metrics)
 
 
