@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import json
 import re
 import textwrap
 from pathlib import Path
@@ -72,3 +73,9 @@ def test_every_code_and_status_in_the_tree_is_the_class_attribute() -> None:
         if match:
             cls = getattr(errors, match.group(1))
             assert (cls.code, cls.status) == (match.group(2), int(match.group(3))), line
+
+
+def test_the_certified_harnesses_matrix_is_generated_from_the_last_results() -> None:
+    from tests.conformance_matrix import README, RESULTS, render
+
+    assert README.read_text() == render(README.read_text(), json.loads(RESULTS.read_text()))

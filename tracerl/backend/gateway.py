@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -42,6 +43,9 @@ from ..core.errors import (
 )
 from ..core.lifecycle import llm_call_recorded
 from ..core.storage import ModelStore, validate_name
+from .protocols.anthropic_messages import AnthropicMessages
+from .protocols.base import Exchange
+from .protocols.responses import Responses
 from .recorder import (
     CallStore,
     StreamAssembler,
@@ -51,6 +55,8 @@ from .recorder import (
 )
 from .request_body import parse_json_object, read_limited_body
 from .request_validation import check_request
+
+log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 PARSE_IN_THREAD_BYTES = 256 * 1024
@@ -273,6 +279,7 @@ class Gateway:
         self.restart_grace_s = restart_grace_s
         self.models: dict[str, ServedModel] = {}  # by project/name
         self.calls = CallStore()
+        self.protocols = {"responses": Responses(), "anthropic.messages": AnthropicMessages()}
         self._restarts: dict[int, asyncio.Task] = {}
         self._streams: set[asyncio.Task] = set()  # stream pumps in flight (kept referenced)
         self.app = self._build_app()
@@ -393,10 +400,19 @@ class Gateway:
         async def completions(request: Request, rollout_id: str | None = None) -> Any:
             return await self._handle(request, "completions", rollout_id)
 
+        async def responses(request: Request, rollout_id: str | None = None) -> Any:
+            return await self._handle(request, "chat.completions", rollout_id, "responses")
+
+        async def messages(request: Request, rollout_id: str | None = None) -> Any:
+            return await self._handle(request, "chat.completions", rollout_id,
+                                      "anthropic.messages")
+
         for prefix in ("", "/rollouts/{rollout_id}"):
             app.add_api_route(prefix + "/v1/models", list_models, methods=["GET"])
             app.add_api_route(prefix + "/v1/chat/completions", chat, methods=["POST"])
             app.add_api_route(prefix + "/v1/completions", completions, methods=["POST"])
+            app.add_api_route(prefix + "/v1/responses", responses, methods=["POST"])
+            app.add_api_route(prefix + "/v1/messages", messages, methods=["POST"])
         return app
 
     async def _read_body(self, request: Request) -> dict[str, Any]:
@@ -420,9 +436,15 @@ class Gateway:
                 param="messages" if endpoint == "chat.completions" else "prompt",
                 code="context_length_exceeded")
 
-    async def _handle(self, request: Request, endpoint: str, path_rollout: str | None) -> Any:
+    async def _handle(self, request: Request, endpoint: str, path_rollout: str | None,
+                      protocol: str | None = None) -> Any:
+        """One call; a ``protocol`` (Responses, Anthropic Messages) is rendered on chat."""
+        exchange: Exchange | None = None
         try:
             body = await self._read_body(request)
+            if protocol is not None:
+                exchange = self.protocols[protocol].begin(body)
+                body = exchange.chat_body
             rollout_id = path_rollout or request.headers.get(ROLLOUT_HEADER)
             if rollout_id is not None:
                 validate_name("rollout id", rollout_id)
@@ -442,7 +464,8 @@ class Gateway:
             if endpoint != "chat.completions":
                 return error_response(EngineRequestError(
                     "streaming is supported for chat completions only", param="stream"))
-            return await self._stream(served, engine_body, body, who, step, timeout, route)
+            return await self._stream(served, engine_body, body, who, step, timeout, route,
+                                      exchange)
 
         try:
             await served.swap.acquire_read(timeout)
@@ -471,14 +494,16 @@ class Gateway:
             served.swap.release_read()
         response["model"] = body["model"]
         await self._record(served, endpoint, body, response, who, step,
-                           time.perf_counter() - started, streamed=False, route=route)
-        return JSONResponse(strip_for_caller(endpoint, body, response))
+                           time.perf_counter() - started, streamed=False, route=route,
+                           exchange=exchange)
+        answer = strip_for_caller(endpoint, body, response)
+        return JSONResponse(answer if exchange is None else exchange.answer(response))
 
     async def _record(self, served: ServedModel, endpoint: str, body: dict[str, Any],
                       response: dict[str, Any] | None, who: Attribution, step: int | None,
                       latency: float, streamed: bool, error: str | None = None,
                       metadata: dict[str, Any] | None = None,
-                      route: CallRoute | None = None) -> None:
+                      route: CallRoute | None = None, exchange: Exchange | None = None) -> None:
         call = build_call(
             endpoint=endpoint,
             caller_body=body,
@@ -495,6 +520,8 @@ class Gateway:
         call.metadata.update(metadata or {})
         if route is not None and route.replica is not None:
             call.metadata["replica"] = route.replica
+        if exchange is not None:
+            call.metadata.update(exchange.metadata)
         # Serialising and fsyncing a record takes milliseconds: done in a worker thread, so that
         # hundreds of concurrent calls do not queue behind each other's disk writes. The caller
         # gets its answer only once the record is on disk; the write and the plugin hook happen
@@ -510,7 +537,8 @@ class Gateway:
 
     async def _stream(self, served: ServedModel, engine_body: dict[str, Any], body: dict[str, Any],
                       who: Attribution, step: int | None, timeout: float,
-                      route: CallRoute | None = None) -> Any:
+                      route: CallRoute | None = None,
+                      exchange: Exchange | None = None) -> Any:
         """Forward SSE chunks as they come while a task of the gateway's own assembles and
         records the call.
 
@@ -518,7 +546,8 @@ class Gateway:
         and releases it: a client that hangs up at any point, or a response that is never
         iterated, cannot leave the swap lock held. A hang-up cancels the task, which closes the
         engine's stream (vLLM aborts the request) and records what was generated, marked
-        ``disconnected``.
+        ``disconnected``. The record is on disk before the final event (``[DONE]``,
+        ``response.completed``, ``message_stop``) is sent.
         """
         try:
             await served.swap.acquire_read(timeout)
@@ -529,7 +558,8 @@ class Gateway:
         out: asyncio.Queue[bytes | None] = asyncio.Queue()
         first: asyncio.Future[TracerlError | None] = loop.create_future()
         pump = asyncio.create_task(self._pump_stream(
-            served, engine_body, body, who, step, loop.time() + timeout, out, first, route))
+            served, engine_body, body, who, step, loop.time() + timeout, out, first, route,
+            exchange))
         self._streams.add(pump)
         pump.add_done_callback(self._streams.discard)
         try:  # the first chunk is awaited here so that engine errors become proper statuses
@@ -552,17 +582,28 @@ class Gateway:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    @staticmethod
+    def _stream_error_event(exchange: Exchange | None, message: str,
+                            code: str | None = None) -> bytes:
+        if exchange is not None:
+            return exchange.error_event(message)
+        payload = {"error": {"message": message, "type": "service_unavailable", "param": None,
+                             "code": code}}
+        return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
     async def _pump_stream(self, served: ServedModel, engine_body: dict[str, Any],
                            body: dict[str, Any], who: Attribution, step: int | None,
                            deadline: float, out: asyncio.Queue[bytes | None],
                            first: asyncio.Future[TracerlError | None],
-                           route: CallRoute | None = None) -> None:
+                           route: CallRoute | None = None,
+                           exchange: Exchange | None = None) -> None:
         started = time.perf_counter()
         assembler = StreamAssembler()
         stream = served.engine.chat_stream(engine_body)
         error: str | None = None
         sent = 0
         disconnected = False
+        final: list[bytes] = []  # sent once the record is on disk
         try:
             try:
                 async with asyncio.timeout_at(deadline):
@@ -585,11 +626,15 @@ class Gateway:
                 while chunk is not None:
                     assembler.add(chunk)
                     chunk["model"] = body["model"]
-                    payload = strip_for_caller("chat.completions", body, chunk)
-                    out.put_nowait(b"data: " + json.dumps(payload).encode() + b"\n\n")
+                    if exchange is not None:
+                        for event in exchange.stream_events(chunk):
+                            out.put_nowait(event)
+                    else:
+                        payload = strip_for_caller("chat.completions", body, chunk)
+                        out.put_nowait(b"data: " + json.dumps(payload).encode() + b"\n\n")
                     sent += 1
                     chunk = await anext(stream, None)
-            out.put_nowait(b"data: [DONE]\n\n")
+            final = [b"data: [DONE]\n\n"] if exchange is None else list(exchange.final_events())
         except asyncio.CancelledError:  # the client hung up (or the server is stopping)
             asyncio.current_task().uncancel()  # type: ignore[union-attr]  # record it anyway
             disconnected = True
@@ -599,18 +644,24 @@ class Gateway:
             if isinstance(e, TimeoutError):
                 error = f"stream broke off: the engine did not finish within {served.timeout_s} s"
             self._schedule_restart(served.engine)
-            payload = {"error": {"message": error, "type": "service_unavailable", "param": None,
-                                 "code": None}}
-            out.put_nowait(b"data: " + json.dumps(payload).encode() + b"\n\n")
+            final = [self._stream_error_event(exchange, error)]
         finally:
             served.swap.release_read()  # synchronous: nothing can interrupt it
-            out.put_nowait(None)
             if not first.done():
                 first.set_result(EngineUnavailableError("the stream was cancelled"))
-        with contextlib.suppress(Exception):  # closing vLLM's stream aborts its request
-            async with asyncio.timeout(STREAM_CLOSE_TIMEOUT_S):
-                await stream.aclose()
-        await self._record(served, "chat.completions", body, assembler.response(), who, step,
-                           time.perf_counter() - started, streamed=True, error=error,
-                           metadata={"disconnected": True} if disconnected else None,
-                           route=route)
+        try:
+            with contextlib.suppress(Exception):  # closing vLLM's stream aborts its request
+                async with asyncio.timeout(STREAM_CLOSE_TIMEOUT_S):
+                    await stream.aclose()
+            await self._record(served, "chat.completions", body, assembler.response(), who,
+                               step, time.perf_counter() - started, streamed=True, error=error,
+                               metadata={"disconnected": True} if disconnected else None,
+                               route=route, exchange=exchange)
+        except TracerlError as e:  # e.g. a full disk: the client hears it instead of the end
+            final = [self._stream_error_event(exchange, f"the call was not recorded: {e}",
+                                              e.code)]
+            log.error("streamed call not recorded: %s", e)
+        finally:
+            for event in final:
+                out.put_nowait(event)
+            out.put_nowait(None)

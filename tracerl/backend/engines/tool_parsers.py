@@ -39,4 +39,26 @@ def parse_hermes(text: str) -> tuple[str, list[dict[str, Any]]]:
     return (kept.strip() if calls else text), calls
 
 
+def content_before_tool_calls(pieces: list[str], content: str) -> list[str]:
+    """Per-token content deltas for a tool-call turn whose tokens decode to ``pieces``.
+
+    Tokens stream the parsed ``content`` while the generated text agrees with it; once the
+    markup starts they carry nothing, and the rest of ``content`` (text after or between the
+    calls) goes with the last token. The deltas join to ``content`` exactly, with no markup.
+    """
+    out, seen, sent = [], "", 0
+    for piece in pieces:
+        seen += piece
+        visible = seen.lstrip()
+        agreed = 0
+        limit = min(len(visible), len(content))
+        while agreed < limit and visible[agreed] == content[agreed]:
+            agreed += 1
+        out.append(content[sent:agreed] if agreed > sent else "")
+        sent = max(sent, agreed)
+    if out:
+        out[-1] += content[sent:]
+    return out
+
+
 PARSERS = {"hermes": parse_hermes}

@@ -5,7 +5,8 @@ Concurrent requests with the same sampling settings are batched (left-padded) in
 (after temperature and top-p), like vLLM's ``processed_logprobs`` mode, so the recorded values
 are the sampling policy's. Each request gets its answer as soon as its own sequences end, and a
 request past its deadline stops its sequences. Tokenization runs off the event loop. Streaming is
-emitted after generation, token by token.
+emitted after generation, token by token; a tool-call turn streams its plain content and then
+tool-call deltas, never the markup.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 from ...core.engine import Engine, EngineRequestError, EngineSpec, EngineUnavailableError
 from ...core.hookspecs import hookimpl
 from ..chat_template import apply_chat_template_override, render_prompt
-from .tool_parsers import PARSERS
+from .tool_parsers import PARSERS, content_before_tool_calls
 
 BATCH_WINDOW_S = 0.005
 
@@ -304,15 +305,18 @@ class TransformersEngine(Engine):
             ],
             "prompt_token_ids": full["prompt_token_ids"],
         }
+        eos = self._eos_ids()
         for choice in full["choices"]:
             ids, content = choice["token_ids"], choice["logprobs"]["content"]
-            eos = self._eos_ids()
+            calls = choice["message"].get("tool_calls")
+            pieces = ["" if t in eos else lp["token"] for t, lp in zip(ids, content, strict=True)]
+            if calls:
+                pieces = content_before_tool_calls(pieces, choice["message"].get("content") or "")
             for k, (token_id, lp) in enumerate(zip(ids, content, strict=True)):
                 last = k == len(ids) - 1
-                delta: dict[str, Any] = {"content": "" if token_id in eos else lp["token"]}
-                if last and choice["message"].get("tool_calls"):
-                    delta = {"content": None, "tool_calls": [
-                        {"index": j, **tc} for j, tc in enumerate(choice["message"]["tool_calls"])]}
+                delta: dict[str, Any] = {"content": pieces[k]} if pieces[k] or not calls else {}
+                if last and calls:
+                    delta["tool_calls"] = [{"index": j, **tc} for j, tc in enumerate(calls)]
                 yield {
                     **base,
                     "choices": [

@@ -1,0 +1,144 @@
+"""What every protocol exchange provides to the gateway, and the chat stream reader they share."""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...core.engine import EngineRequestError
+
+
+def bad(message: str, param: str, status: int = 400) -> EngineRequestError:
+    """A 4xx naming the request field at fault."""
+    return EngineRequestError(message, param=param, status=status)
+
+
+def sse(event: str, data: dict[str, Any]) -> bytes:
+    """One server-sent event with a named type (Responses and Anthropic both name theirs)."""
+    return f"event: {event}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+class Exchange(ABC):
+    """One request of a protocol: its chat translation and the answer translated back."""
+
+    protocol: str
+    id: str
+    chat_body: dict[str, Any]
+
+    @abstractmethod
+    def answer(self, chat_response: dict[str, Any]) -> dict[str, Any]:
+        """The protocol's answer for the engine's chat completion."""
+
+    @abstractmethod
+    def stream_events(self, chunk: dict[str, Any]) -> list[bytes]:
+        """The protocol's events for one chat completion chunk (token ids still in it)."""
+
+    @abstractmethod
+    def final_events(self) -> list[bytes]:
+        """The closing events, sent once the record is on disk."""
+
+    @abstractmethod
+    def error_event(self, message: str) -> bytes:
+        """The event telling the caller the stream broke off."""
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return {"protocol": self.protocol, "id": self.id}
+
+
+@dataclass
+class ChatStreamReader:
+    """Turns chat completion chunks (choice 0) into text and tool-call steps, and keeps totals.
+
+    ``feed`` returns steps: ``("text", delta)``, ``("tool", index, call_id, name)`` when a tool
+    call starts, ``("args", index, delta)`` for its arguments.
+    """
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    text: str = ""
+    tool_calls: dict[int, dict[str, str]] = field(default_factory=dict)
+    usage: dict[str, Any] | None = None
+
+    def feed(self, chunk: dict[str, Any]) -> list[tuple]:
+        if chunk.get("prompt_token_ids"):
+            self.prompt_tokens = len(chunk["prompt_token_ids"])
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        steps: list[tuple] = []
+        for c in chunk.get("choices") or []:
+            if c.get("index", 0) != 0:
+                continue
+            self.completion_tokens += len(c.get("token_ids") or [])
+            delta = c.get("delta") or {}
+            if delta.get("content"):
+                self.text += delta["content"]
+                steps.append(("text", delta["content"]))
+            for tc in delta.get("tool_calls") or []:
+                index = tc.get("index", 0)
+                fn = tc.get("function") or {}
+                if index not in self.tool_calls:
+                    self.tool_calls[index] = {"id": tc.get("id") or f"call_{index}",
+                                              "name": fn.get("name") or "", "arguments": ""}
+                    steps.append(("tool", index, self.tool_calls[index]["id"],
+                                  self.tool_calls[index]["name"]))
+                if fn.get("arguments"):
+                    self.tool_calls[index]["arguments"] += fn["arguments"]
+                    steps.append(("args", index, fn["arguments"]))
+            if c.get("finish_reason"):
+                self.finish_reason = c["finish_reason"]
+                self.stop_reason = c.get("stop_reason")
+        return steps
+
+    @property
+    def output_tokens(self) -> int:
+        if self.usage:
+            return int(self.usage.get("completion_tokens") or self.completion_tokens)
+        return self.completion_tokens
+
+
+def only_choice(chat_response: dict[str, Any]) -> dict[str, Any]:
+    """The answer's single choice (these protocols have no ``n``)."""
+    return chat_response["choices"][0]
+
+
+def text_of(content: Any, param: str, kinds: tuple[str, ...]) -> str:
+    """Plain text from a string or a list of text parts of the given ``kinds``."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(f"{param} must be a string or a list of content parts", param)
+    out = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in kinds:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise bad(f"{param}[{i}] has type {kind!r}; supported: {', '.join(kinds)}",
+                      f"{param}[{i}].type")
+        if not isinstance(part.get("text"), str):
+            raise bad(f"{param}[{i}].text must be a string", f"{param}[{i}].text")
+        out.append(part["text"])
+    return "".join(out)
+
+
+def function_tool(name: Any, description: Any, parameters: Any, param: str) -> dict[str, Any]:
+    """A chat function tool, checked."""
+    if not isinstance(name, str) or not name:
+        raise bad(f"{param}.name must be a non-empty string", f"{param}.name")
+    fn: dict[str, Any] = {"name": name,
+                          "parameters": parameters or {"type": "object", "properties": {}}}
+    if description:
+        fn["description"] = description
+    return {"type": "function", "function": fn}
+
+
+def parse_arguments(arguments: str) -> dict[str, Any]:
+    """A tool call's arguments as a JSON object ({} when the model wrote something else)."""
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
