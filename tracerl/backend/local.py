@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..core.backend import Backend, InferenceEndpoint, TrainEvent
-from ..core.config import TrainConfig
+from ..core.config import DistributedTrainerConfig, TrainConfig
 from ..core.engine import Engine, EngineError, EngineSpec
-from ..core.errors import ConfigError, TrainingError
+from ..core.errors import ConfigError, RankFailedError, TrainingError
 from ..core.hookspecs import hookimpl
 from ..core.model_spec import ModelLike, ModelSpec, spec_of
 from ..core.net import is_loopback
@@ -29,6 +29,7 @@ from ..core.trajectory import LLMCall, TrajectoryGroup, read_groups_jsonl, write
 from .training.step import train_step
 
 if TYPE_CHECKING:
+    from .training.distributed import DistributedPolicy
     from .training.trainer import Trainer
 
 T = TypeVar("T")
@@ -111,13 +112,18 @@ class LocalBackend(Backend):
     :func:`tracerl.backend.training.step.train_step`.
 
     ART's ``in_process`` is accepted for ported scripts: here the gateway and trainer always run
-    in this process and vLLM in a subprocess of its own, whichever value it has."""
+    in this process and vLLM in a subprocess of its own, whichever value it has.
+
+    ``trainer=DistributedTrainerConfig(...)`` trains with torch.distributed ranks (DDP or
+    FSDP2) started by a launcher plugin (``local``: torchrun; ``ray``: Ray actors, which then
+    host the inference engines too) instead of in this process."""
 
     name = "local"
 
     def __init__(self, *, path: str | Path | None = None, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, engine: str | None = None,
-                 in_process: bool = False, heartbeat_s: float = 30.0) -> None:
+                 in_process: bool = False, heartbeat_s: float = 30.0,
+                 trainer: DistributedTrainerConfig | None = None) -> None:
         from .gateway import Gateway
 
         del in_process
@@ -129,11 +135,12 @@ class LocalBackend(Backend):
         self.api_key = api_key
         self.engine_override = engine
         self.heartbeat_s = heartbeat_s
+        self.trainer = trainer
         self.gateway = Gateway(api_key=api_key)
         self._thread: _GatewayThread | None = None
         self._engines: dict[tuple[Path, str, str], Engine] = {}
         self._stores: dict[str, ModelStore] = {}
-        self._policies: dict[str, Trainer] = {}
+        self._policies: dict[str, Trainer | DistributedPolicy] = {}
         self._train_lock = asyncio.Lock()
 
     # --- resources -------------------------------------------------------------------------
@@ -178,18 +185,31 @@ class LocalBackend(Backend):
         engine = self._engines.get(key)
         if engine is None:
             cls = choose_engine(self.engine_override or model.config.engine.engine)
-            engine = cls(EngineSpec(model_path=model_path, served_name=model_path.name,
-                                    config=model.config.engine, lora=model.config.lora))
+            spec = EngineSpec(model_path=model_path, served_name=model_path.name,
+                              config=model.config.engine, lora=model.config.lora)
+            if self.trainer is not None:  # the launcher places replicas (Ray: in actors)
+                from .training.distributed import make_launcher
+
+                engine = make_launcher(self.trainer).engine(cls, spec)
+            else:
+                engine = cls(spec)
             await self._gateway().call(engine.start())
             self._engines[key] = engine
         return engine
 
-    def _policy(self, model: ModelSpec) -> Trainer:
+    def _policy(self, model: ModelSpec) -> Trainer | DistributedPolicy:
         """The trained policy of ``model`` (loaded on first use, from its newest checkpoint)."""
+        from .training.distributed import start_distributed_policy
         from .training.trainer import Trainer
 
         store = self.store(model)
         key = str(store.root)
+        if key not in self._policies and self.trainer is not None:
+            step = store.latest_step()
+            self._policies[key] = start_distributed_policy(
+                self.trainer, self.gateway.models[model.name].engine.spec.model_path,
+                model.config.lora, store.checkpoint_dir(step) if step > 0 else None,
+                model.config.engine.chat_template, store.root / "logs" / "trainer-ranks.log")
         if key not in self._policies:
             engine = self.gateway.models[model.name].engine
             step = store.latest_step()
@@ -263,14 +283,21 @@ class LocalBackend(Backend):
                                 "await it first")
         async with self._train_lock:
             store = self.store(model)
-            async for event in train_step(
-                    store.latest_step() + 1, groups, config, store=store,
-                    load_policy=lambda: self._policy(model),
-                    serving=_ServingOnGateway(self._gateway(), route, route.engine),
-                    heartbeat_s=self.heartbeat_s):
-                yield event
+            try:
+                async for event in train_step(
+                        store.latest_step() + 1, groups, config, store=store,
+                        load_policy=lambda: self._policy(model),
+                        serving=_ServingOnGateway(self._gateway(), route, route.engine),
+                        heartbeat_s=self.heartbeat_s):
+                    yield event
+            except RankFailedError:  # its ranks are gone: the next step starts fresh ones
+                self._policies.pop(str(store.root), None)
+                raise
 
     async def close(self) -> None:
+        for policy in self._policies.values():
+            await asyncio.to_thread(policy.close)
+        self._policies.clear()
         for engine in self._engines.values():
             if self._thread is not None:
                 try:
