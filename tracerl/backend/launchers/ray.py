@@ -16,6 +16,7 @@ import importlib
 import importlib.util
 import logging
 import os
+import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,7 @@ class _ReplicaActor:
 
     def __init__(self, engine_class: type[Engine], spec: EngineSpec) -> None:
         self.engine = engine_class(spec)
-        self.adapters = Path(__import__("tempfile").mkdtemp(prefix="tracerl-replica-"))
+        self.adapters = Path(tempfile.mkdtemp(prefix="tracerl-replica-"))
 
     async def call(self, method: str, *args: Any) -> Any:
         return await getattr(self.engine, method)(*args)
