@@ -91,13 +91,18 @@ def in_parameter_order(adapter: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     return [adapter[name] for name in sorted(adapter, key=key)]
 
 
-def assert_same_checkpoint(ours: Path, reference: Path) -> None:
+def first_moments(checkpoint: Path) -> list[torch.Tensor]:
+    state = torch.load(checkpoint / "optimizer.pt")["state"]
+    return [entry["exp_avg"] for _, entry in sorted(state.items())]
+
+
+def assert_same_checkpoint(ours: Path, reference: Path, *earlier: Path) -> None:
     """The same gradient (Adam's first moment is 0.1 x the clipped gradient), and the same
     adapter wherever the gradient is clearly non-zero: Adam's first step moves each weight by
     lr x sign(gradient), and a gradient at float-noise level may take either sign. The moments
-    are the sharp check: they also show that Adam's state was resumed."""
-    moments = [[s["exp_avg"] for _, s in sorted(torch.load(p / "optimizer.pt")["state"].items())]
-               for p in (ours, reference)]
+    are the sharp check: they also show that Adam's state was resumed. ``earlier``: the
+    reference's earlier checkpoints, whose unclear gradients are left out too."""
+    moments = [first_moments(p) for p in (ours, reference)]
     scale = max(float(m.abs().max()) for m in moments[1])
     for got, want in zip(*moments, strict=True):
         torch.testing.assert_close(got, want, atol=1e-4 * scale, rtol=1e-3)
@@ -105,13 +110,18 @@ def assert_same_checkpoint(ours: Path, reference: Path) -> None:
                 for p in (ours, reference)]
     assert len(adapters[0]) == len(moments[1]) == 2 * 2 * 30  # q, v x A, B x 30 layers
     clear = total = 0
-    for got, want, gradient in zip(*adapters, moments[1], strict=True):
-        mask = gradient.abs() > 2e-4 * scale  # 5x the largest difference measured (4e-5)
+    steps = [moments[1], *(first_moments(p) for p in earlier)]
+    # clear: 5x the largest difference measured (4e-5 of the step's largest moment)
+    floors = [2e-4 * max(float(m.abs().max()) for m in step) for step in steps]
+    for got, want, *gradients in zip(*adapters, *steps, strict=True):
+        mask = torch.ones_like(got, dtype=torch.bool)
+        for gradient, floor in zip(gradients, floors, strict=True):
+            mask &= gradient.abs() > floor
         clear, total = clear + int(mask.sum()), total + mask.numel()
         # a tenth of one step's move (lr): float noise in a later Adam step stays below it
         torch.testing.assert_close(got[mask], want[mask], atol=0.1 * CONFIG.learning_rate,
                                    rtol=0)
-    assert clear > 0.6 * total  # measured: 78% of the weights
+    assert clear > 0.5 * total  # measured: 78% of the weights after one step
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
@@ -135,7 +145,7 @@ def test_two_ranks_resume_from_their_checkpoint_like_one_process(one_process):
     second = one_process.root / "fsdp2-2"
     distributed_step("fsdp2", first, tiny_rows(1), second)
     assert json.loads((second / "trainer_state.json").read_text())["steps_done"] == 2
-    assert_same_checkpoint(second, one_process.root / "one-2")
+    assert_same_checkpoint(second, one_process.root / "one-2", one_process.root / "one-1")
 
 
 async def test_a_rank_killed_mid_step_is_named_and_the_run_resumes(tmp_path):

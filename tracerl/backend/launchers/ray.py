@@ -99,21 +99,27 @@ class RayReplicaEngine(Engine):
                 _ray().kill(self.actor)
                 self.actor = None
 
-    async def _call(self, method: str, *args: Any) -> Any:
+    async def _actor(self, actor_method: str, *args: Any) -> Any:
+        """``actor.actor_method(*args)``; the engine's own errors come back as they were raised
+        there (an ``EngineRequestError`` keeps its status), a dead actor is 503."""
         if self.actor is None:
             raise EngineUnavailableError("the Ray replica is not started")
         try:
-            return await self.actor.call.remote(method, *args)
+            return await getattr(self.actor, actor_method).remote(*args)
         except _ray().exceptions.RayActorError as e:
             raise EngineUnavailableError(f"the Ray replica died: {e}") from e
         except _ray().exceptions.RayTaskError as e:
-            raise e.as_instanceof_cause() from None
+            raise (getattr(e, "cause", None) or e) from None
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        """``engine.method(*args)`` in the actor."""
+        return await self._actor("call", method, *args)
 
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         return await self._call("chat", body)
 
     async def chat_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        for chunk in await self.actor.chat_chunks.remote(body):
+        for chunk in await self._actor("chat_chunks", body):
             yield chunk
 
     async def completions(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -122,7 +128,7 @@ class RayReplicaEngine(Engine):
     async def load_adapter(self, lora_name: str, path: Path) -> None:
         files = {p.name: p.read_bytes() for p in Path(path).iterdir() if p.is_file()}
         self._loaded += 1
-        await self.actor.load_adapter.remote(lora_name, f"{self._loaded:06d}", files)
+        await self._actor("load_adapter", lora_name, f"{self._loaded:06d}", files)
 
     async def healthy(self) -> bool:
         try:
