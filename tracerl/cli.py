@@ -12,6 +12,12 @@ from .core.errors import ConfigError, TracerlError
 from .core.net import is_loopback
 
 
+def _availability(classes: dict[str, type]) -> str:
+    """``name, name (unavailable)``: plugin classes and whether they can run here."""
+    return ", ".join(f"{n}{'' if cls.available() else ' (unavailable)'}"
+                     for n, cls in sorted(classes.items()))
+
+
 def _cmd_plugins(args: argparse.Namespace) -> int:
     from .core.hookspecs import HOOKSPEC_VERSION
     from .core.plugins import collect_classes, list_plugins
@@ -24,10 +30,10 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
             for h in p.hooks:
                 print(f"{'':26}{h}")
     engines = collect_classes("tracerl_engines")
-    print("engines: " + ", ".join(
-        f"{n}{'' if cls.available() else ' (unavailable)'}" for n, cls in sorted(engines.items())))
+    print("engines: " + _availability(engines))
     backends = collect_classes("tracerl_backends")
     print("backends: " + ", ".join(sorted(backends)))
+    print("launchers: " + _availability(collect_classes("tracerl_launchers")))
     return 0
 
 
