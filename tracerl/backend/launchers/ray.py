@@ -64,11 +64,11 @@ class _ReplicaActor:
         return [chunk async for chunk in self.engine.chat_stream(body)]
 
     async def load_adapter(self, lora_name: str, version: str, files: dict[str, bytes]) -> None:
+        from ..training.rank import write_files
+
         folder = self.adapters / version
         folder.mkdir(parents=True, exist_ok=True)
-        for name, data in files.items():
-            (folder / name).write_bytes(data)
-        await self.engine.load_adapter(lora_name, folder)
+        await self.engine.load_adapter(lora_name, write_files(files, folder))
 
 
 class RayReplicaEngine(Engine):
@@ -126,7 +126,9 @@ class RayReplicaEngine(Engine):
         return await self._call("completions", body)
 
     async def load_adapter(self, lora_name: str, path: Path) -> None:
-        files = {p.name: p.read_bytes() for p in Path(path).iterdir() if p.is_file()}
+        from ..training.distributed import checkpoint_files
+
+        files = checkpoint_files(Path(path))
         self._loaded += 1
         await self._actor("load_adapter", lora_name, f"{self._loaded:06d}", files)
 
