@@ -48,7 +48,7 @@ class Launcher(ABC):
     def stop(self) -> None:
         """Stop every rank (idempotent)."""
 
-    def engine(self, engine_class: type[Engine], spec: EngineSpec) -> Engine:
-        """The engine serving ``spec``: here, in this process (launchers that place replicas
-        elsewhere return a proxy to it)."""
-        return engine_class(spec)
+    def engine(self, engine_class: type[Engine], spec: EngineSpec) -> Engine | None:
+        """The engine serving ``spec`` when this launcher places replicas (a proxy to one it
+        started elsewhere); None: the backend builds it as without a launcher."""
+        return None

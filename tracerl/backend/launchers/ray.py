@@ -223,9 +223,9 @@ class RayLauncher(Launcher):
             remove_placement_group(self.group)
             self.group = None
 
-    def engine(self, engine_class: type[Engine], spec: EngineSpec) -> Engine:
+    def engine(self, engine_class: type[Engine], spec: EngineSpec) -> Engine | None:
         if not self.config.replicas_on_launcher:
-            return engine_class(spec)
+            return None
         return RayReplicaEngine(engine_class, spec, cpus=self.config.cpus_per_rank,
                                 gpus=self._gpus())
 
