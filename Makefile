@@ -56,6 +56,8 @@ test: $(STAMP) $(VLLM_STAMP) $(LITELLM_STAMP)
 	$(PYTEST) -m "not slow" -q; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 test-slow: $(STAMP) $(VLLM_STAMP) $(LITELLM_STAMP)
+	# the ray launcher's test only (optional extra, ~240 MB): installed by this stage alone
+	$(PIP) install -q "ray==2.60.*"
 	$(PYTEST) -m slow -q; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 lint: $(STAMP)

@@ -12,7 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 # --- the native API -------------------------------------------------------------------------
 from .core.backend import Backend, InferenceEndpoint, TrainEvent
-from .core.config import EngineConfig, LoraConfig, ModelConfig, TrainConfig
+from .core.config import (
+    DistributedTrainerConfig,
+    EngineConfig,
+    LoraConfig,
+    ModelConfig,
+    TrainConfig,
+)
 from .core.context import ContextThreadPoolExecutor, call_tags, current_rollout, rollout_scope
 from .core.errors import (
     AuthenticationError,
@@ -81,6 +87,7 @@ __all__ = [
     "CompletionRecord",
     "ConfigError",
     "ContextThreadPoolExecutor",
+    "DistributedTrainerConfig",
     "EngineConfig",
     "EngineError",
     "History",

@@ -7,8 +7,15 @@ import logging
 import sys
 from collections.abc import Callable
 
+from .core.config import DistributedTrainerConfig
 from .core.errors import ConfigError, TracerlError
 from .core.net import is_loopback
+
+
+def _availability(classes: dict[str, type]) -> str:
+    """``name, name (unavailable)``: plugin classes and whether they can run here."""
+    return ", ".join(f"{n}{'' if cls.available() else ' (unavailable)'}"
+                     for n, cls in sorted(classes.items()))
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
@@ -23,10 +30,10 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
             for h in p.hooks:
                 print(f"{'':26}{h}")
     engines = collect_classes("tracerl_engines")
-    print("engines: " + ", ".join(
-        f"{n}{'' if cls.available() else ' (unavailable)'}" for n, cls in sorted(engines.items())))
+    print("engines: " + _availability(engines))
     backends = collect_classes("tracerl_backends")
     print("backends: " + ", ".join(sorted(backends)))
+    print("launchers: " + _availability(collect_classes("tracerl_launchers")))
     return 0
 
 
@@ -56,7 +63,30 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     return run_demo(steps=args.steps, engine=args.engine, base_path=args.base_path,
-                    group_size=args.group_size, groups_per_step=args.groups)
+                    group_size=args.group_size, groups_per_step=args.groups,
+                    trainer=_trainer_config(args))
+
+
+def _add_trainer_args(p: argparse.ArgumentParser) -> None:
+    """Options of the distributed trainer (``DistributedTrainerConfig``)."""
+    p.add_argument("--launcher", default=None,
+                   help="train on torch.distributed ranks started by this launcher: local "
+                   "(torchrun on this host) or ray (Ray actors; pip install 'tracerl[ray]')")
+    p.add_argument("--world-size", type=int, default=None, help="trainer ranks (default 2)")
+    p.add_argument("--strategy", choices=["ddp", "fsdp2"], default=None,
+                   help="ddp (default) or fsdp2 (the frozen base sharded too)")
+    p.add_argument("--ray-address", default=None, help="the Ray cluster to join, e.g. auto")
+    p.add_argument("--placement", default=None,
+                   choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"],
+                   help="Ray placement strategy of the ranks (SPREAD: one node each)")
+
+
+def _trainer_config(args: argparse.Namespace) -> DistributedTrainerConfig | None:
+    given = {"launcher": args.launcher, "world_size": args.world_size,
+             "strategy": args.strategy, "ray_address": args.ray_address,
+             "placement_strategy": args.placement}
+    given = {k: v for k, v in given.items() if v is not None}
+    return DistributedTrainerConfig(**given) if given else None
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -153,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group-size", type=int, default=None)
     p.add_argument("--groups", type=int, default=None, help="groups per step")
     p.add_argument("--base-path", default=".tracerl")
+    _add_trainer_args(p)
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser(

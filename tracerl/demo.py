@@ -59,13 +59,16 @@ def _bar(value: float, width: int = 30) -> str:
 
 
 async def demo(steps: int, engine: str, base_path: str, group_size: int, groups_per_step: int,
-               learning_rate: float = 2e-3) -> dict[str, object]:
-    """Train and evaluate; returns the held-out evaluations and the train reward curve."""
+               learning_rate: float = 2e-3,
+               trainer: tracerl.DistributedTrainerConfig | None = None) -> dict[str, object]:
+    """Train and evaluate; returns the held-out evaluations and the train reward curve.
+    ``trainer``: train on torch.distributed ranks (``tracerl demo --launcher ray ...``)."""
     os.environ.setdefault("TRACERL_QUIET", "1")
     import torch
 
     torch.manual_seed(0)  # sampling order still depends on batching, so runs vary a little
-    backend = tracerl.LocalBackend(path=base_path, engine=None if engine == "auto" else engine)
+    backend = tracerl.LocalBackend(path=base_path, engine=None if engine == "auto" else engine,
+                                   trainer=trainer)
     name = f"demo-{int(time.time())}"
     model = tracerl.TrainableModel(
         name=name, project="tracerl-demo", base_model="smollm2",
@@ -114,10 +117,12 @@ async def demo(steps: int, engine: str, base_path: str, group_size: int, groups_
 
 
 def run_demo(steps: int | None = None, engine: str = "auto", base_path: str = ".tracerl",
-             group_size: int | None = None, groups_per_step: int | None = None) -> int:
+             group_size: int | None = None, groups_per_step: int | None = None,
+             trainer: tracerl.DistributedTrainerConfig | None = None) -> int:
     if engine == "auto":
         import torch
 
         engine = "auto" if torch.cuda.is_available() else "transformers"  # faster on a small CPU
-    asyncio.run(demo(steps or 12, engine, base_path, group_size or 6, groups_per_step or 4))
+    asyncio.run(demo(steps or 12, engine, base_path, group_size or 6, groups_per_step or 4,
+                     trainer=trainer))
     return 0

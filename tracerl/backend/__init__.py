@@ -13,5 +13,6 @@ In flow order (one request, then one training step):
 - ``chat_template.py``: chat templates, the same for serving and training.
 - ``weights.py``: ``base_model`` to a local folder (the embedded SmolLM2 included).
 - ``training/``: rows, advantages, loss, the policy, and the step itself (``step.py``).
+- ``launchers/``: where distributed trainer ranks and replicas run (``local``, ``ray``).
 - ``local.py``: ``LocalBackend``, which holds the resources: gateway, engines, policies.
 """

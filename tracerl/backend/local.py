@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..core.backend import Backend, InferenceEndpoint, LocalTrainResult, TrainEvent, TrainResult
-from ..core.config import EngineConfig, TrainConfig, TrainSFTConfig
+from ..core.config import DistributedTrainerConfig, EngineConfig, TrainConfig, TrainSFTConfig
 from ..core.engine import Engine, EngineError, EngineSpec
-from ..core.errors import ConfigError, TrainingError
+from ..core.errors import ConfigError, RankFailedError, TrainingError
 from ..core.hookspecs import hookimpl
 from ..core.model_spec import ModelLike, ModelSpec, spec_of
 from ..core.net import is_loopback
@@ -39,6 +39,7 @@ from .training.sft import sft_step
 from .training.step import train_step
 
 if TYPE_CHECKING:
+    from .training.distributed import DistributedPolicy
     from .training.trainer import Trainer
 
 T = TypeVar("T")
@@ -138,14 +139,19 @@ class LocalBackend(Backend):
     :func:`tracerl.backend.training.step.train_step`.
 
     ART's ``in_process`` is accepted for ported scripts: here the gateway and trainer always run
-    in this process and vLLM in a subprocess of its own, whichever value it has."""
+    in this process and vLLM in a subprocess of its own, whichever value it has.
+
+    ``trainer=DistributedTrainerConfig(...)`` trains with torch.distributed ranks (DDP or
+    FSDP2) started by a launcher plugin (``local``: torchrun; ``ray``: Ray actors, which then
+    host the inference engines too) instead of in this process."""
 
     name = "local"
 
     def __init__(self, *, path: str | Path | None = None, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, engine: str | None = None,
                  in_process: bool = False, heartbeat_s: float = 30.0,
-                 placement: dict[str, Any] | None = None) -> None:
+                 placement: dict[str, Any] | None = None,
+                 trainer: DistributedTrainerConfig | None = None) -> None:
         from .gateway import Gateway
 
         del in_process
@@ -163,11 +169,12 @@ class LocalBackend(Backend):
             EngineConfig(**placement)
         self.placement = placement
         self.heartbeat_s = heartbeat_s
+        self.trainer = trainer
         self.gateway = Gateway(api_key=api_key)
         self._thread: _GatewayThread | None = None
         self._engines: dict[tuple[Path, str, str], Engine] = {}
         self._stores: dict[str, ModelStore] = {}
-        self._policies: dict[str, Trainer] = {}
+        self._policies: dict[str, Trainer | DistributedPolicy] = {}
         self._train_lock = asyncio.Lock()
 
     # --- resources -------------------------------------------------------------------------
@@ -213,9 +220,15 @@ class LocalBackend(Backend):
         if engine is None:
             cls = None if model.config.engine.replica_urls else choose_engine(
                 self.engine_override or model.config.engine.engine)
-            engine = build_engine(cls, EngineSpec(
-                model_path=model_path, served_name=model_path.name, config=model.config.engine,
-                lora=model.config.lora))
+            spec = EngineSpec(model_path=model_path, served_name=model_path.name,
+                              config=model.config.engine, lora=model.config.lora)
+            engine = None
+            if self.trainer is not None and cls is not None:  # Ray: replicas in actors
+                from .training.distributed import make_launcher
+
+                engine = make_launcher(self.trainer).engine(cls, spec)
+            if engine is None:
+                engine = build_engine(cls, spec)
             await self._gateway().call(engine.start())
             self._engines[key] = engine
         return engine
@@ -240,12 +253,19 @@ class LocalBackend(Backend):
         return AdapterPublisher(engine.publish_dir, engine.publish_mount) \
             if engine.publish_dir else None
 
-    def _policy(self, model: ModelSpec) -> Trainer:
+    def _policy(self, model: ModelSpec) -> Trainer | DistributedPolicy:
         """The trained policy of ``model`` (loaded on first use, from its newest checkpoint)."""
+        from .training.distributed import start_distributed_policy
         from .training.trainer import Trainer
 
         store = self.store(model)
         key = str(store.root)
+        if key not in self._policies and self.trainer is not None:
+            step = store.latest_step()
+            self._policies[key] = start_distributed_policy(
+                self.trainer, self.gateway.models[model.name].engine.spec.model_path,
+                model.config.lora, store.checkpoint_dir(step) if step > 0 else None,
+                model.config.engine.chat_template, store.root / "logs" / "trainer-ranks.log")
         if key not in self._policies:
             engine = self.gateway.models[model.key].engine
             step = store.latest_step()
@@ -339,6 +359,9 @@ class LocalBackend(Backend):
     async def train_sft(self, model: ModelLike, trajectories: list[Trajectory],
                         config: TrainSFTConfig) -> TrainResult:
         """One supervised step (:mod:`tracerl.backend.training.sft`): a new checkpoint."""
+        if self.trainer is not None:
+            raise ConfigError("SFT steps run on the one-process trainer; this backend's "
+                              "distributed trainer (LocalBackend(trainer=...)) trains GRPO only")
         result = TrainResult(step=0)
         async for event in self._run_step(model, functools.partial(
                 sft_step, trajectories=trajectories, config=config)):
@@ -359,15 +382,22 @@ class LocalBackend(Backend):
                                 "await it first")
         async with self._train_lock:
             store = self.store(model)
-            async for event in step_fn(
-                    step=store.latest_step() + 1, store=store,
-                    load_policy=lambda: self._policy(model),
-                    serving=_ServingOnGateway(self._gateway(), route, route.engine,
-                                              self._publisher(model)),
-                    heartbeat_s=self.heartbeat_s):
-                yield event
+            try:
+                async for event in step_fn(
+                        step=store.latest_step() + 1, store=store,
+                        load_policy=lambda: self._policy(model),
+                        serving=_ServingOnGateway(self._gateway(), route, route.engine,
+                                                  self._publisher(model)),
+                        heartbeat_s=self.heartbeat_s):
+                    yield event
+            except RankFailedError:  # its ranks are gone: the next step starts fresh ones
+                self._policies.pop(str(store.root), None)
+                raise
 
     async def close(self) -> None:
+        for policy in self._policies.values():
+            await asyncio.to_thread(policy.close)
+        self._policies.clear()
         for engine in self._engines.values():
             if self._thread is not None:
                 try:

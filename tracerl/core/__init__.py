@@ -4,7 +4,8 @@ tracerl, so any stage may import it (``tests/test_layout.py`` checks).
 Data model:
 - ``errors.py``: the one exception tree, with each error's code and HTTP status.
 - ``validated.py``: the pydantic base whose errors name the field.
-- ``config.py``: ``TrainConfig``, ``LoraConfig``, ``EngineConfig``, ``ModelConfig``.
+- ``config.py``: ``TrainConfig``, ``LoraConfig``, ``EngineConfig``, ``ModelConfig``,
+  ``DistributedTrainerConfig``.
 - ``model_spec.py``: ``ModelSpec``, what a backend knows of a model.
 - ``context.py``: the current rollout (a ``ContextVar``) and call tags.
 - ``spans.py``: framework structure of a rollout, linked to its LLM calls.
@@ -17,6 +18,7 @@ Data model:
 Contracts:
 - ``backend.py``: the ``Backend`` contract and its ``TrainEvent`` stream.
 - ``engine.py``: the ``Engine`` contract (and its errors).
+- ``launcher.py``: the ``Launcher`` contract: where distributed trainer ranks and replicas run.
 - ``hookspecs.py``: every plugin hook, documented.
 - ``plugins.py``: the plugin manager (built-ins, enabled loggers, entry points).
 - ``lifecycle.py``: where every hook is fired.

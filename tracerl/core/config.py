@@ -155,3 +155,30 @@ class ModelConfig(_Strict):
 
     lora: LoraConfig = Field(default_factory=LoraConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
+
+
+class DistributedTrainerConfig(_Strict):
+    """Train on several processes (GPUs, nodes) with torch.distributed instead of one: peft LoRA
+    under DDP or FSDP2, one rank per GPU (or CPU process), started by a launcher plugin.
+    ``LocalBackend(trainer=DistributedTrainerConfig(world_size=2, strategy="fsdp2"))``."""
+
+    world_size: int = Field(2, ge=1, le=4096, description="ranks (processes; one per GPU)")
+    strategy: Literal["ddp", "fsdp2"] = Field(
+        "ddp", description="'ddp': every rank holds the whole model; 'fsdp2': fully_shard, the "
+        "frozen base sharded across ranks too (for a base that does not fit one GPU)")
+    launcher: str = Field("local", description="launcher plugin: 'local' (torchrun "
+                          "subprocesses on this host) or 'ray' (the optional extra)")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="'auto': CUDA (NCCL) when available, else CPU (gloo)")
+    ray_address: str | None = Field(
+        None, description="the Ray cluster to join (ray.init(address=...)); None: 'auto' when "
+        "RAY_ADDRESS is set, else a local cluster")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray placement group strategy of the trainer ranks")
+    cpus_per_rank: float = Field(1.0, gt=0, description="Ray: CPUs reserved per rank/replica")
+    replicas_on_launcher: bool = Field(
+        True, description="Ray: serve each inference engine from a Ray actor (its own GPU on a "
+        "GPU cluster) instead of this process")
+    start_timeout_s: float = Field(600.0, gt=0, description="deadline for the ranks to start")
+    step_timeout_s: float = Field(3600.0, gt=0,
+                                  description="deadline for one command (update, save) of a step")

@@ -20,6 +20,7 @@
     │   └── EngineRequestError                (per request: 400, 404, ...)
     ├── TrainingError (RuntimeError)          training_failed        500
     │   ├── TrainConflictError                training_conflict      409
+    │   ├── RankFailedError                   trainer_rank_failed    500
     │   └── QueueFullError                    queue_full             429
     ├── BackendUnavailableError (ConnectionError)  backend_unavailable  503
     ├── RemoteError (RuntimeError)            (the server's code and status)
@@ -129,6 +130,16 @@ class TrainingError(TracerlError, RuntimeError, code="training_failed"):
 
 class TrainConflictError(TrainingError, code="training_conflict", status=409):
     """Another training request of the same model is queued or running."""
+
+
+class RankFailedError(TrainingError, code="trainer_rank_failed"):
+    """A rank of a distributed trainer died or failed during a step; ``rank`` names it. The
+    step's groups are on disk: the next step reloads the newest checkpoint and
+    ``backend.pending_groups(model)`` trains them again."""
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
 
 
 class QueueFullError(TrainingError, code="queue_full", status=429):

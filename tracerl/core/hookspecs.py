@@ -80,6 +80,28 @@ def tracerl_backends() -> list[type]:
     """
 
 
+@hookspec
+def tracerl_launchers() -> list[type]:
+    """Return launcher classes this plugin provides (where a distributed trainer's ranks and
+    the inference replicas run).
+
+    Arguments: none.
+
+    Returns: classes implementing :class:`tracerl.core.launcher.Launcher`, each with a unique
+    ``name`` (what ``DistributedTrainerConfig(launcher=...)`` selects) and an ``available()``
+    classmethod. tracerl ships ``local`` (torchrun subprocesses) and ``ray``.
+
+    Called: when a backend with a ``DistributedTrainerConfig`` is created, and by
+    ``tracerl plugins``; on the thread that creates the backend.
+
+    Example::
+
+        @tracerl.hookimpl
+        def tracerl_launchers():
+            return [SlurmLauncher]  # srun, one task per GPU
+    """
+
+
 # --- trajectory capture -----------------------------------------------------------------------
 
 @hookspec

@@ -37,6 +37,8 @@ BUILTIN_PLUGINS = {
     "vllm_engine": "tracerl.backend.engines.vllm_engine",
     "local_backend": "tracerl.backend.local",
     "remote_backend": "tracerl.remote.client",
+    "local_launcher": "tracerl.backend.launchers.local",
+    "ray_launcher": "tracerl.backend.launchers.ray",
     "ruler": "tracerl.ruler.plugin",
 }
 # logger name (as in TRACERL_LOGGERS) -> "module:factory"; the factory makes the plugin object

@@ -5,6 +5,9 @@ In flow order:
 - ``advantages.py``: group-relative advantages.
 - ``loss.py``: the clipped policy loss, token logprobs, KL (tested against TRL).
 - ``trainer.py``: the policy (base + LoRA, peft or Unsloth), micro-batches, the optimizer.
+- ``distributed.py``: the same policy on torch.distributed ranks (DDP or FSDP2), driven from
+  here: micro-batches dealt to ranks, checkpoints from rank 0, a dead rank named.
+- ``rank.py``: one rank's process (``python -m``, torchrun's environment).
 - ``step.py``: the step top to bottom: save groups -> rows -> advantages -> loss ->
   optimizer step -> atomic checkpoint -> publish the adapter.
 - ``sft.py``: supervised fine-tuning (ART's ``train_sft``): conversations, loss on the

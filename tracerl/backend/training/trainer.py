@@ -57,8 +57,21 @@ def micro_batches(rows: list[Row], max_tokens: int) -> list[list[Row]]:
     return batches
 
 
+def step_totals(batches: list[list[Row]]) -> dict[str, float]:
+    """What a step's loss is normalised by and its metrics count: trained tokens, rows, tokens
+    and micro-batches."""
+    rows = [r for b in batches for r in b]
+    return {"trained_tokens": float(sum(r.trained_tokens for r in rows)),
+            "rows": float(len(rows)), "tokens": float(sum(len(r) for r in rows)),
+            "micro_batches": float(len(batches))}
+
+
 class Trainer:
     """Holds the policy (base + LoRA) and its optimizer between steps."""
+
+    # each rank's loss is multiplied by this before backward: data parallel wrappers average
+    # gradients over ranks, and the step's gradient is their sum (1 in one process)
+    gradient_scale = 1.0
 
     def __init__(self, model_path: Path, lora: LoraConfig, adapter_path: Path | None = None,
                  device: str | None = None, chat_template: str | None = None) -> None:
@@ -75,15 +88,35 @@ class Trainer:
             if self.backend == "unsloth"
             else self._load_peft(model_path)
         )
+        self.steps_done = 0
         if adapter_path is not None:
             self._load_adapter_weights(adapter_path)
+        self.forward_model = self._distribute(self.model)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=1e-5, betas=(0.9, 0.99))
         if adapter_path is not None and (adapter_path / OPTIMIZER_FILE).exists():
-            self.optimizer.load_state_dict(
-                torch.load(adapter_path / OPTIMIZER_FILE, map_location=self.device)
-            )
-        self.steps_done = 0
+            self._load_optimizer_state(
+                torch.load(adapter_path / OPTIMIZER_FILE, map_location=self.device))
+
+    # --- hooks of the distributed trainer (training/rank.py); one process needs none -------
+
+    def _distribute(self, model: Any) -> Any:
+        """The module the training forward runs through (DDP wraps it; FSDP2 shards it)."""
+        return model
+
+    def _load_optimizer_state(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def _sum_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
+        """Metric sums of this process's micro-batches -> of the whole step."""
+        return values
+
+    def _clip_grad_norm(self, max_norm: float) -> float:
+        return float(torch.nn.utils.clip_grad_norm_(
+            [p for p in self.model.parameters() if p.requires_grad], max_norm))
+
+    def close(self) -> None:
+        """Release what the policy holds outside this process (nothing here)."""
 
     # --- loading ---------------------------------------------------------------------------
 
@@ -189,7 +222,7 @@ class Trainer:
         run as an fp32 GEMM with casts around it (measured: ~30% of a 0.5B step on an H200).
         """
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.device.type == "cuda"):
-            out = self.model(
+            out = self.forward_model(
                 input_ids=t["input_ids"],
                 attention_mask=t["attention_mask"],
                 logits_to_keep=int(t["keep"]),
@@ -212,6 +245,13 @@ class Trainer:
                 torch.cuda.empty_cache()
 
     def _optimize(self, rows: list[Row], config: TrainConfig) -> dict[str, float]:
+        batches = micro_batches(rows, config.micro_batch_tokens)
+        return self.update(batches, step_totals(batches), config)
+
+    def update(self, batches: list[list[Row]], totals: dict[str, float], config: TrainConfig
+               ) -> dict[str, float]:
+        """Loss and optimizer step over ``batches`` (this process's share of the step), with the
+        loss normalised by ``totals`` (trained tokens and rows of the whole step)."""
         if config.seed is not None:
             torch.manual_seed(config.seed)
         for g in self.optimizer.param_groups:
@@ -220,23 +260,21 @@ class Trainer:
         if config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
             self.model.enable_input_require_grads()
-        batches = micro_batches(rows, config.micro_batch_tokens)
         self.model.train()
-        if any(has_unknown_logprobs(r) for r in rows):
-            self._fill_old_logprobs(batches)
-        trained_tokens = sum(r.trained_tokens for r in rows)
+        self._fill_old_logprobs(batches)
+        normalizer = totals["trained_tokens" if config.loss_normalization == "token" else "rows"]
         grad_norm = 0.0
         sums: dict[str, float] = {}
         for epoch in range(config.num_epochs):  # metrics describe the first pass
             self.optimizer.zero_grad(set_to_none=True)
-            epoch_sums = self.backward(batches, config, collect=epoch == 0)
+            epoch_sums = self.backward(batches, config, collect=epoch == 0, normalizer=normalizer)
             sums = sums or epoch_sums
             if config.max_grad_norm is not None:
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(
-                    [p for p in self.model.parameters() if p.requires_grad], config.max_grad_norm))
+                grad_norm = self._clip_grad_norm(config.max_grad_norm)
             self.optimizer.step()
         self.steps_done += 1
-        n = float(trained_tokens)
+        sums = self._sum_over_ranks(sums)
+        n = totals["trained_tokens"]
         metrics = dict(
             loss=sums["loss"],
             ratio=sums["ratio"] / n,
@@ -246,21 +284,24 @@ class Trainer:
             logprob_mismatch=sums["logprob_mismatch"] / n,
             grad_norm=grad_norm,
             trained_tokens=n,
-            tokens=float(sum(len(r) for r in rows)),
-            micro_batches=float(len(batches)),
+            tokens=totals["tokens"],
+            micro_batches=totals["micro_batches"],
             learning_rate=config.learning_rate,
         )
         if not math.isfinite(metrics["loss"]):
             raise FloatingPointError(f"non-finite loss {metrics['loss']} in a training step")
         return metrics
 
-    def backward(self, batches: list[list[Row]], config: TrainConfig, collect: bool = True
-                 ) -> dict[str, float]:
+    def backward(self, batches: list[list[Row]], config: TrainConfig, collect: bool = True,
+                 normalizer: float | None = None) -> dict[str, float]:
         """Forward and backward over all micro-batches (gradients accumulate; no optimizer
-        step). The summed loss is the step's loss under ``config.loss_normalization``."""
-        rows = [r for b in batches for r in b]
-        trained = sum(r.trained_tokens for r in rows)
-        normalizer = float(trained if config.loss_normalization == "token" else len(rows))
+        step). The summed loss is the step's loss under ``config.loss_normalization``;
+        ``normalizer`` (default: of ``batches``) is the step's trained tokens or rows."""
+        if normalizer is None:
+            totals = step_totals(batches)
+            normalizer = totals["trained_tokens" if config.loss_normalization == "token"
+                                else "rows"]
+        normalizer /= self.gradient_scale
         sums = {"loss": 0.0, "ratio": 0.0, "clip_fraction": 0.0, "kl": 0.0, "entropy": 0.0,
                 "logprob_mismatch": 0.0}
         for batch in batches:
@@ -280,7 +321,7 @@ class Trainer:
             if not collect:
                 continue
             m = t["mask"]
-            sums["loss"] += float(loss.detach())
+            sums["loss"] += float(loss.detach()) / self.gradient_scale
             sums["ratio"] += float(parts["ratio"][m].sum())
             sums["clip_fraction"] += float(parts["clipped"][m].float().sum())
             sums["logprob_mismatch"] += float((logp.detach() - t["old"])[m].abs().sum())
