@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -61,18 +63,52 @@ def _cuda_visible() -> bool:
     return torch.cuda.is_available()
 
 
-def engine_connector(max_num_seqs: int) -> aiohttp.TCPConnector:
+# vLLM servers that tracerl starts keep idle connections this long (vLLM's default is 5 s), and
+# the gateway's pool drops them earlier, so a request never goes out on a connection the server
+# is closing. Rollouts pause longer than 5 s between turns (a tool runs, a training step), and
+# re-opening hundreds of connections cost the gateway a third of its CPU at 256 concurrent
+# rollouts on the H200 (BENCHMARKS.md, session 8).
+SERVER_KEEP_ALIVE_S = 75
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+POOL_KEEP_ALIVE_S = 60.0
+
+
+def _kv_cache_bytes(devices: Any, share: float) -> int | None:
+    """Half of a server's share of its GPU for the KV cache (the rest: weights, activations,
+    CUDA graphs); None when no GPU is visible to tell its size."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        device = devices[0] if devices else 0
+        total = torch.cuda.get_device_properties(device).total_memory
+    except (ImportError, RuntimeError, AssertionError):
+        return None
+    return int(total * share / 2)
+
+
+def engine_connector(max_num_seqs: int, keepalive_s: float = 2.0) -> aiohttp.TCPConnector:
     """Connection pool towards vLLM's server (aiohttp: its pool hands out an idle connection in
     O(1); httpx/httpx2 re-scan every pooled connection, probing each socket, on each request and
     response, which cost the gateway a quarter of its CPU at 256 concurrent rollouts).
 
     No cap at 100 connections (aiohttp's default): vLLM queues requests itself, so let every
-    rollout through. Idle connections are dropped after 2 s, before vLLM's uvicorn closes them
-    (5 s, VLLM_HTTP_TIMEOUT_KEEP_ALIVE): with equal timeouts a request can go out on a
-    connection the server is closing, and fail (seen on the H200 at 256 concurrent requests).
+    rollout through. Idle connections are dropped after ``keepalive_s``, which must be shorter
+    than the server's keep-alive: with equal timeouts a request can go out on a connection the
+    server is closing, and fail (seen on the H200 at 256 concurrent requests). 2 s suits a
+    server with vLLM's default (5 s); servers tracerl starts keep connections longer
+    (:data:`SERVER_KEEP_ALIVE_S`).
     """
     return aiohttp.TCPConnector(limit=max(1024, 8 * max_num_seqs), limit_per_host=0,
-                                keepalive_timeout=2.0)
+                                keepalive_timeout=keepalive_s)
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child, between fork and exec
+    """Ask Linux to SIGTERM the server when the process that started it dies, even by SIGKILL:
+    a killed trainer must not leave a vLLM server holding the GPU."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass(frozen=True)
@@ -166,6 +202,13 @@ class VLLMEngine(Engine):
             share = round(0.9 / cfg.replicas_per_gpu, 3)
         if share is not None:
             cmd += ["--gpu-memory-utilization", str(share)]
+        if cfg.replicas_per_gpu > 1 and not any(a.startswith("--kv-cache-memory")
+                                                for a in cfg.extra_args):
+            # servers sharing a GPU: each one's memory profiler counts the others' memory, so
+            # a share alone can leave one without room; an explicit KV cache size cannot
+            kv_bytes = _kv_cache_bytes(self.devices, share or 0.9 / cfg.replicas_per_gpu)
+            if kv_bytes:
+                cmd += ["--kv-cache-memory-bytes", str(kv_bytes)]
         if cfg.chat_template:
             cmd += ["--chat-template", str(chat_template_path(cfg.chat_template))]
         if cfg.tool_call_parser:
@@ -201,9 +244,12 @@ class VLLMEngine(Engine):
         if self.cpus is not None and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in self.cpus)
         env.pop("PYTHONPATH", None)  # the vLLM venv brings its own packages
-        self.process = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
-                                        env=env, start_new_session=True)
-        self.connect()
+        env.setdefault("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", str(SERVER_KEEP_ALIVE_S))
+        self.process = subprocess.Popen(
+            self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+        self.connect(POOL_KEEP_ALIVE_S)
         loop = asyncio.get_running_loop()
         timeout_s = startup_timeout_s()
         deadline = loop.time() + timeout_s
@@ -224,10 +270,11 @@ class VLLMEngine(Engine):
             await self.load_adapter(name, path)
         self._ready = True
 
-    def connect(self) -> None:
+    def connect(self, keepalive_s: float = 2.0) -> None:
         """Open the connection pool towards the server at :attr:`base_url`."""
         self.client = aiohttp.ClientSession(
-            base_url=self.base_url, connector=engine_connector(self.spec.config.max_num_seqs),
+            base_url=self.base_url,
+            connector=engine_connector(self.spec.config.max_num_seqs, keepalive_s),
             timeout=aiohttp.ClientTimeout(total=None, connect=5,
                                           sock_read=self.spec.config.request_timeout_s))
 
