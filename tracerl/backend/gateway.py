@@ -36,6 +36,7 @@ from ..core.errors import (
 )
 from ..core.lifecycle import llm_call_recorded
 from ..core.storage import ModelStore, validate_name
+from ..core.watchdog import watch
 from .recorder import (
     CallStore,
     StreamAssembler,
@@ -77,6 +78,11 @@ class _SwapLock:
         async with self._cond:
             self._readers -= 1
             self._cond.notify_all()
+
+    def describe(self) -> str:
+        """Who holds the lock (the watchdog's view of a waiting swap)."""
+        held = "a swap holds new requests; " if self._swapping else ""
+        return f"{held}{self._readers} requests in flight hold the swap lock"
 
     async def __aenter__(self) -> None:
         async with self._cond:
@@ -134,9 +140,11 @@ class ServedModel:
 
     async def swap_adapter(self, step: int, path: Any) -> None:
         """Serve checkpoint ``step`` once calls in flight have finished (new calls wait)."""
-        async with self.swap:
-            await self.engine.load_adapter(self.name, path)
-            self.step = step
+        with watch("swap", f"the adapter swap of {self.name} to step {step}",
+                   self.swap.describe):
+            async with self.swap:
+                await self.engine.load_adapter(self.name, path)
+                self.step = step
 
     def resolve(self, requested: str) -> tuple[str, int | None]:
         """Engine model name and adapter step for a requested model name."""

@@ -26,6 +26,7 @@ from ..core.net import is_loopback
 from ..core.plugins import collect_classes
 from ..core.storage import ModelStore
 from ..core.trajectory import LLMCall, TrajectoryGroup, read_groups_jsonl, write_groups_jsonl
+from ..core.watchdog import watch
 from .training.step import train_step
 
 if TYPE_CHECKING:
@@ -180,7 +181,9 @@ class LocalBackend(Backend):
             cls = choose_engine(self.engine_override or model.config.engine.engine)
             engine = cls(EngineSpec(model_path=model_path, served_name=model_path.name,
                                     config=model.config.engine, lora=model.config.lora))
-            await self._gateway().call(engine.start())
+            with watch("engine_start", f"{engine.name} engine start for {model_path.name}",
+                       lambda: "the engine has not answered since it was started"):
+                await self._gateway().call(engine.start())
             self._engines[key] = engine
         return engine
 

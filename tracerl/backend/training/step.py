@@ -21,6 +21,8 @@ from ...core.config import TrainConfig
 from ...core.metrics import summarize_groups
 from ...core.storage import ModelStore, atomic_directory
 from ...core.trajectory import TrajectoryGroup, write_groups_jsonl
+from ...core.watchdog import watch
+from . import health
 from .advantages import group_advantages
 from .rows import Row, RowStats, rows_from_calls, rows_from_messages
 
@@ -52,24 +54,31 @@ async def train_step(step: int, groups: list[TrajectoryGroup], config: TrainConf
     write_groups_jsonl(store.trajectories_path("train", step), groups)
     yield TrainEvent("started", step)
     started = time.perf_counter()
-    await serving.sleep()
-    try:
-        policy = await asyncio.to_thread(load_policy)
-        # 2-5. rows -> advantages -> micro-batched loss -> optimizer step
-        update = asyncio.ensure_future(asyncio.to_thread(grpo_update, policy, groups, config))
-        while not update.done():
-            await asyncio.wait({update}, timeout=heartbeat_s)
-            if not update.done():
-                yield TrainEvent("heartbeat", step, elapsed_s=time.perf_counter() - started)
-        metrics = update.result()
-    finally:
-        await serving.wake_up()
+    phase = ["putting the engine to sleep"]
+    with watch("train", f"training step {step}", lambda: phase[0]):
+        await serving.sleep()
+        try:
+            phase[0] = "loading the policy"
+            policy = await asyncio.to_thread(load_policy)
+            # 2-5. rows -> advantages -> micro-batched loss -> optimizer step
+            phase[0] = f"the update of {len(groups)} groups (a worker thread)"
+            update = asyncio.ensure_future(asyncio.to_thread(grpo_update, policy, groups, config))
+            while not update.done():
+                await asyncio.wait({update}, timeout=heartbeat_s)
+                if not update.done():
+                    yield TrainEvent("heartbeat", step, elapsed_s=time.perf_counter() - started)
+            metrics = update.result()
+        finally:
+            phase[0] = "waking the engine"
+            await serving.wake_up()
     # 6. atomic checkpoint: the folder appears whole, or not at all
     with atomic_directory(store.checkpoint_dir(step)) as tmp:
         await asyncio.to_thread(policy.save, tmp)
     # 7. publish: the next rollouts are served by the new adapter
     await serving.publish(step, store.checkpoint_dir(step))
-    metrics = {**summarize_groups(groups), **metrics, "seconds": time.perf_counter() - started}
+    metrics = {**summarize_groups(groups), **metrics, **health.unattributed_calls(store),
+               "seconds": time.perf_counter() - started}
+    metrics["health_warnings"] = float(len(health.log_warnings(step, metrics)))
     store.log_history(step, "train", metrics)
     yield TrainEvent("done", step, metrics=metrics)
 
@@ -79,13 +88,10 @@ def grpo_update(policy: Trainer, groups: list[TrajectoryGroup], config: TrainCon
     """Rows with group-relative advantages, then the clipped policy loss over micro-batches
     and one optimizer step per epoch. Returns the step's metrics."""
     rows, stats, skipped_groups = rows_with_advantages(policy, groups, config)
-    metrics = {**stats.as_metrics(), "skipped_groups": float(skipped_groups)}
-    if skipped_groups:
-        log.warning("%d of %d groups skipped: all rewards equal (no learning signal) or a "
-                    "single trajectory", skipped_groups, len(groups))
-    if stats.prefix_mismatches:
-        log.warning("%d calls did not continue the previous call's tokens exactly and were "
-                    "trained as separate rows", stats.prefix_mismatches)
+    metrics = {**stats.as_metrics(), "groups": float(len(groups)),
+               "skipped_groups": float(skipped_groups), **health.completion_clipping(groups),
+               **health.template_mismatches(groups, policy.render)}
+    metrics.update(health.ratios(metrics))  # step health: logged with the step's metrics
     if not rows:
         log.warning("step skipped: no trainable rows")
         return {**metrics, "skipped": 1.0, "loss": 0.0}
