@@ -121,7 +121,7 @@ class GatherContext:
             parts.append(f"rollout {r.index} of group {r.group_index} ({r.rollout_id}, "
                          f"{now - r.started_at:.0f} s): {last}")
         more = f"; {len(running) - limit} more" if len(running) > limit else ""
-        return (f"{self.done} of {self.total} rollouts done, {len(running)} pending: "
+        return (f"{len(running)} of {self.total} rollouts still running: "
                 + "; ".join(parts) + more)
 
     def check_exceptions(self) -> None:

@@ -109,7 +109,7 @@ def ratios(metrics: dict[str, float]) -> dict[str, float]:
 
 # thresholds: a step over one of them logs a warning (configurable by assigning to this dict)
 THRESHOLDS: dict[str, float] = {
-    "skipped_groups": 0.5,            # fraction of the step's groups
+    "skipped_groups": 0.25,           # fraction of the step's groups
     "unattributed_calls": 1,          # calls since the previous step
     "prefix_mismatch_fraction": 0.2,  # of turns after the first
     "rendered_fraction": 0.01,        # of trained rows
