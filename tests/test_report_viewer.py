@@ -73,3 +73,11 @@ def test_the_page_draws_curves_and_opens_a_trajectory_in_chromium(viewer, tmp_pa
     assert 'id="traj-summary"' in dom and "Name a fruit." in dom
     assert "engine logprob -" in dom or "engine logprob " in dom
     assert 'class="finding ' in dom
+
+
+def test_the_static_report_lists_each_step_health_warning(unhealthy_step):
+    from tracerl.report import build_report
+
+    page = build_report(unhealthy_step[3])
+    assert "<h2>Step health</h2>" in page and 'aria-label="prefix_mismatch_fraction"' in page
+    assert "the agent edits history between calls" in page and "<i>fix:</i>" in page

@@ -56,7 +56,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     return run_demo(steps=args.steps, engine=args.engine, base_path=args.base_path,
-                    group_size=args.group_size, groups_per_step=args.groups)
+                    group_size=args.group_size, groups_per_step=args.groups, seed=args.seed)
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -184,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group-size", type=int, default=None)
     p.add_argument("--groups", type=int, default=None, help="groups per step")
     p.add_argument("--base-path", default=".tracerl")
+    p.add_argument("--seed", type=int, default=0, help="sampling and training-number seed")
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser(

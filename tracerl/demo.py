@@ -105,13 +105,14 @@ def _bar(value: float, width: int = 30) -> str:
 
 
 async def demo(steps: int, engine: str, base_path: str, group_size: int, groups_per_step: int,
-               learning_rate: float = 2e-3, eval_every: int = 4) -> dict[str, object]:
+               learning_rate: float = 2e-3, eval_every: int = 4, seed: int = 0
+               ) -> dict[str, object]:
     """Train and evaluate; returns the held-out evaluations and the train reward curve."""
     os.environ.setdefault("TRACERL_QUIET", "1")
     quiet_third_party()
     import torch
 
-    torch.manual_seed(0)  # sampling order still depends on batching, so runs vary a little
+    torch.manual_seed(seed)  # sampling order still depends on batching, so runs vary a little
     backend = tracerl.LocalBackend(path=base_path, engine=None if engine == "auto" else engine)
     name = f"demo-{int(time.time())}"
     model = tracerl.TrainableModel(
@@ -125,9 +126,9 @@ async def demo(steps: int, engine: str, base_path: str, group_size: int, groups_
         held_out = scenarios(seed=12345, n=24)
         evals = [(0, await evaluate(model, held_out, "held-out before training"))]
         curve = []
-        config = tracerl.TrainConfig(learning_rate=learning_rate, seed=0)
+        config = tracerl.TrainConfig(learning_rate=learning_rate, seed=seed)
         for step in range(1, steps + 1):
-            train_numbers = scenarios(seed=step, n=groups_per_step)
+            train_numbers = scenarios(seed=1000 * seed + step, n=groups_per_step)
             groups = await tracerl.gather_trajectory_groups(
                 (tracerl.TrajectoryGroup(rollout(model, n, 1.0) for _ in range(group_size))
                  for n in train_numbers), pbar_desc=f"step {step}/{steps} rollouts")
@@ -161,10 +162,12 @@ async def demo(steps: int, engine: str, base_path: str, group_size: int, groups_
 
 
 def run_demo(steps: int | None = None, engine: str = "auto", base_path: str = ".tracerl",
-             group_size: int | None = None, groups_per_step: int | None = None) -> int:
+             group_size: int | None = None, groups_per_step: int | None = None,
+             seed: int = 0) -> int:
     if engine == "auto":
         import torch
 
         engine = "auto" if torch.cuda.is_available() else "transformers"  # faster on a small CPU
-    asyncio.run(demo(steps or 12, engine, base_path, group_size or 6, groups_per_step or 4))
+    asyncio.run(demo(steps or 8, engine, base_path, group_size or 6, groups_per_step or 4,
+                     seed=seed))
     return 0
