@@ -46,6 +46,11 @@ def test_a_trajectory_shows_its_calls_and_tokens(viewer):
     assert first["messages"][-1]["content"] == "Name a fruit."
     assert first["tokens"] and all(isinstance(tk["logprob"], float) for tk in first["tokens"])
     assert "".join(tk["text"] for tk in first["tokens"]).strip()  # decoded, not ids
+    # the training step kept the trainer's logprob of every trained token: same weights, so
+    # engine and trainer agree closely
+    diffs = [abs(tk["trainer_logprob"] - tk["logprob"]) for call in t["calls"]
+             for tk in call["tokens"]]
+    assert len(diffs) == sum(len(call["tokens"]) for call in t["calls"]) and max(diffs) < 0.05
 
 
 def test_doctor_findings_are_served(viewer):
@@ -71,7 +76,7 @@ def test_the_page_draws_curves_and_opens_a_trajectory_in_chromium(viewer, tmp_pa
     dom = out.stdout
     assert 'class="chart" data-metric="reward"' in dom and "<polyline" in dom, out.stderr[-2000:]
     assert 'id="traj-summary"' in dom and "Name a fruit." in dom
-    assert "engine logprob -" in dom or "engine logprob " in dom
+    assert "trainer - engine " in dom and "trainer logprob -" in dom
     assert 'class="finding ' in dom
 
 

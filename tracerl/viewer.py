@@ -78,13 +78,16 @@ class RunView:
         data = self.step(split, step)["groups"][group]
         t = self._groups(split, step)[group].trajectories[index]
         decode = self._decoder()
+        trainer = iter(self._trainer_logprobs(split, step, group, index))
         calls = []
         for c in t.llm_calls:
             comp = c.completions[0] if c.completions else None
             tokens = []
             if comp is not None:
                 lps = comp.logprobs or [None] * len(comp.token_ids)
-                tokens = [{"id": i, "text": decode(i), "logprob": lp}
+                trained = not c.error and c.prompt_token_ids  # rows skip failed calls
+                tokens = [{"id": i, "text": decode(i), "logprob": lp,
+                           "trainer_logprob": next(trainer, None) if trained else None}
                           for i, lp in zip(comp.token_ids, lps, strict=True)]
             calls.append({"id": c.id, "messages": c.request.get("messages")
                           or [{"role": "prompt", "content": c.request.get("prompt")}],
@@ -94,6 +97,17 @@ class RunView:
         return {"reward": t.reward, "advantage": data["advantages"][index],
                 "rollout_id": t.rollout_id, "metrics": t.metrics, "messages": t.messages(),
                 "spans": [s.model_dump(mode="json") for s in t.spans], "calls": calls}
+
+    def _trainer_logprobs(self, split: str, step: int, group: int, index: int) -> list[float]:
+        """The trainer's logprobs of this trajectory's trained tokens, in call order (written
+        by the training step; none for val steps or skipped groups)."""
+        from .backend.training.health import token_logprobs_path
+
+        path = token_logprobs_path(self.root, step)
+        if split != "train" or not path.exists():
+            return []
+        return [lp for r in read_jsonl(path) if r["group"] == group and r["trajectory"] == index
+                for lp in r["trainer"]]
 
     def _decoder(self) -> Any:
         """Token id -> text with the base model's tokenizer when it can be loaded, else ``#id``."""

@@ -22,12 +22,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ...core.storage import ModelStore
+from ...core.storage import ModelStore, atomic_write_text
 from ...core.trajectory import TrajectoryGroup
 
 log = logging.getLogger(__name__)
 
 UNATTRIBUTED_TOTAL = "unattributed_calls_total"
+TOKEN_LOGPROBS_DIR = "token_logprobs"  # per step: engine and trainer logprobs of trained tokens
 TEMPLATE_SAMPLE = 8  # recorded prompts re-rendered per step to compare chat templates
 
 
@@ -177,3 +178,22 @@ def log_warnings(step: int, metrics: dict[str, Any]) -> list[HealthWarning]:
     for w in warnings:
         log.warning("step %d: %s", step, w)
     return warnings
+
+
+def token_logprobs_path(root: Any, step: int) -> Any:
+    return root / TOKEN_LOGPROBS_DIR / f"{step:04d}.jsonl"
+
+
+def write_token_logprobs(store: ModelStore, step: int, rows: Iterable[Any]) -> None:
+    """Per trained row: its group, trajectory, and the engine's and trainer's logprobs of its
+    trained tokens (what the viewer shows per token)."""
+    import json
+
+    lines = []
+    for row in rows:
+        engine = [lp for lp, m in zip(row.old_logprobs, row.loss_mask, strict=True) if m]
+        lines.append(json.dumps({"group": row.group, "trajectory": row.trajectory,
+                                 "engine": engine, "trainer": row.trainer_logprobs or []}))
+    path = token_logprobs_path(store.root, step)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, "".join(line + "\n" for line in lines))

@@ -62,7 +62,9 @@ async def train_step(step: int, groups: list[TrajectoryGroup], config: TrainConf
             policy = await asyncio.to_thread(load_policy)
             # 2-5. rows -> advantages -> micro-batched loss -> optimizer step
             phase[0] = f"the update of {len(groups)} groups (a worker thread)"
-            update = asyncio.ensure_future(asyncio.to_thread(grpo_update, policy, groups, config))
+            update = asyncio.ensure_future(asyncio.to_thread(
+                grpo_update, policy, groups, config,
+                on_trained=lambda rows: health.write_token_logprobs(store, step, rows)))
             while not update.done():
                 await asyncio.wait({update}, timeout=heartbeat_s)
                 if not update.done():
@@ -83,10 +85,11 @@ async def train_step(step: int, groups: list[TrajectoryGroup], config: TrainConf
     yield TrainEvent("done", step, metrics=metrics)
 
 
-def grpo_update(policy: Trainer, groups: list[TrajectoryGroup], config: TrainConfig
-                ) -> dict[str, float]:
+def grpo_update(policy: Trainer, groups: list[TrajectoryGroup], config: TrainConfig,
+                on_trained: Callable[[list[Row]], None] | None = None) -> dict[str, float]:
     """Rows with group-relative advantages, then the clipped policy loss over micro-batches
-    and one optimizer step per epoch. Returns the step's metrics."""
+    and one optimizer step per epoch. Returns the step's metrics; ``on_trained`` gets the
+    trained rows (with their engine and trainer logprobs)."""
     rows, stats, skipped_groups = rows_with_advantages(policy, groups, config)
     metrics = {**stats.as_metrics(), "groups": float(len(groups)),
                "skipped_groups": float(skipped_groups), **health.completion_clipping(groups),
@@ -95,7 +98,10 @@ def grpo_update(policy: Trainer, groups: list[TrajectoryGroup], config: TrainCon
     if not rows:
         log.warning("step skipped: no trainable rows")
         return {**metrics, "skipped": 1.0, "loss": 0.0}
-    return {**metrics, **policy.optimize(rows, config)}
+    metrics.update(policy.optimize(rows, config))
+    if on_trained is not None:
+        on_trained(rows)
+    return metrics
 
 
 def rows_with_advantages(policy: Trainer, groups: list[TrajectoryGroup], config: TrainConfig
@@ -112,7 +118,8 @@ def rows_with_advantages(policy: Trainer, groups: list[TrajectoryGroup], config:
         if adv.skipped:
             skipped_groups += 1
             continue
-        for trajectory, advantage in zip(group.trajectories, adv.advantages, strict=True):
+        for ti, (trajectory, advantage) in enumerate(
+                zip(group.trajectories, adv.advantages, strict=True)):
             traj_rows = rows_from_calls(trajectory.llm_calls, stats) if trajectory.llm_calls else []
             if not traj_rows:  # no token records: render the main and additional histories
                 traj_rows = [row for conversation in (trajectory, *trajectory.additional_histories)
@@ -122,7 +129,7 @@ def rows_with_advantages(policy: Trainer, groups: list[TrajectoryGroup], config:
             if not traj_rows:
                 stats.empty_trajectories += 1
             for row in traj_rows:
-                row.advantage, row.group = advantage, gi
+                row.advantage, row.group, row.trajectory = advantage, gi, ti
                 if len(row) > config.micro_batch_tokens:
                     row.truncate(config.micro_batch_tokens)
                     stats.truncated_rows += 1

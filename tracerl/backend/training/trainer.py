@@ -58,6 +58,14 @@ def micro_batches(rows: list[Row], max_tokens: int) -> list[list[Row]]:
     return batches
 
 
+def _keep_trainer_logprobs(batch: list[Row], logp: torch.Tensor, width: int) -> None:
+    """Each row's trainer logprobs of its trained tokens (``logp`` covers the last columns)."""
+    lp, start = logp.cpu(), width - logp.shape[1]
+    for i, row in enumerate(batch):
+        row.trainer_logprobs = [float(lp[i, j - start]) for j in range(start, len(row))
+                                if row.loss_mask[j]]
+
+
 class Trainer:
     """Holds the policy (base + LoRA) and its optimizer between steps."""
 
@@ -281,6 +289,7 @@ class Trainer:
             if not collect:
                 continue
             m = t["mask"]
+            _keep_trainer_logprobs(batch, logp.detach(), int(t["input_ids"].shape[1]))
             sums["loss"] += float(loss.detach())
             sums["ratio"] += float(parts["ratio"][m].sum())
             sums["clip_fraction"] += float(parts["clipped"][m].float().sum())
