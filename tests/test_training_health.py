@@ -53,9 +53,12 @@ def test_same_weights_give_no_engine_kl_warning(unhealthy_step):
 @pytest.mark.parametrize("metrics, expected", [
     ({"groups": 8, "skipped_groups": 8}, "all 8 groups had equal rewards"),
     ({"groups": 8, "skipped_groups": 1}, None),
+    ({"groups": 4, "skipped_groups": 4, "reward": 1.0, "reward_std": 0.0},
+     "all 4 groups had the same reward 1, all of them (no learning signal): the task is solved"),
     ({"engine_kl": 0.2}, "disagree (KL 0.2 nats/token)"),
     ({"prefix_mismatch_fraction": 0.4}, "in 40% of turns: the agent edits history"),
-], ids=["all-groups-equal", "under-threshold", "engine-kl", "forty-percent-rewrites"])
+], ids=["all-groups-equal", "under-threshold", "task-solved", "engine-kl",
+        "forty-percent-rewrites"])
 def test_warning_thresholds(metrics, expected):
     found = [str(w) for w in step_warnings(metrics)]
     assert (expected is None and not found) or any(expected in w for w in found), found

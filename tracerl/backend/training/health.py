@@ -133,9 +133,15 @@ def step_warnings(m: dict[str, Any], thresholds: dict[str, float] | None = None
     if groups and skipped / groups >= t["skipped_groups"]:
         seen = (f"all {skipped:.0f} groups" if skipped >= groups
                 else f"{skipped:.0f} of {groups:.0f} groups")
-        out.append(HealthWarning(
-            "skipped_groups", f"{seen} had equal rewards (no learning signal)",
-            "widen the reward (partial credit) or raise the group size"))
+        if skipped >= groups and m.get("reward_std") == 0.0 and "reward" in m:
+            out.append(HealthWarning(  # every trajectory of the step had the same reward
+                "skipped_groups", f"{seen} had the same reward {m['reward']:.3g}, all of them "
+                "(no learning signal)", "the task is solved (or never rewarded) at this "
+                "difficulty: stop here, or make the tasks harder or the reward finer"))
+        else:
+            out.append(HealthWarning(
+                "skipped_groups", f"{seen} had equal rewards (no learning signal)",
+                "widen the reward (partial credit) or raise the group size"))
     if float(m.get("unattributed_calls", 0) or 0) >= t["unattributed_calls"]:
         out.append(HealthWarning(
             "unattributed_calls",
