@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import aiohttp
 import httpx2
+from pyspy import start_profile, top_frames
 
 import tracerl
 from tracerl.backend.engines.vllm_engine import engine_connector, vllm_python
@@ -63,7 +65,7 @@ async def client_for(kind: str, concurrency: int) -> AsyncIterator[Post]:
 
 
 async def measure(concurrencies: list[int], max_tokens: int, waves: int, base_model: str,
-                  vllm_args: list[str], client: str) -> list[dict]:
+                  vllm_args: list[str], client: str, profile: Path | None = None) -> list[dict]:
     backend = tracerl.LocalBackend(path=tempfile.mkdtemp(), engine="vllm")
     model = tracerl.TrainableModel(
         name="bench", project="bench", base_model=base_model,
@@ -102,7 +104,16 @@ async def measure(concurrencies: list[int], max_tokens: int, waves: int, base_mo
                 direct, gateway = [], []
                 for w in range(waves + 1):  # wave 0 warms up both paths
                     d = await wave(next_id, concurrency, False)
+                    spy = None
+                    if profile and w == waves and concurrency == max(concurrencies):
+                        # this process holds the client and the gateway: where does its CPU go?
+                        raw = profile / f"pyspy-gateway-c{concurrency}.txt"
+                        spy = start_profile(os.getpid(), 6, raw)
                     g = await wave(next_id, concurrency, True)
+                    if spy is not None:
+                        spy.wait(timeout=120)
+                        if raw.exists():
+                            print(json.dumps({"profile_top_frames": top_frames(raw)}), flush=True)
                     if w:
                         direct.append(d)
                         gateway.append(g)
@@ -151,6 +162,8 @@ def main() -> None:
                     help="extra vLLM server flag, repeatable (e.g. --vllm-arg=--enforce-eager)")
     ap.add_argument("--client", choices=["aiohttp", "httpx2"], default="aiohttp",
                     help="the benchmark's HTTP client, the same for both paths")
+    ap.add_argument("--profile", help="folder: py-spy samples this process (client + gateway) "
+                    "during the last gateway wave of the highest concurrency")
     ap.add_argument("--json")
     args = ap.parse_args()
     base_model = args.base_model
@@ -161,7 +174,8 @@ def main() -> None:
         tokenizer = Path(args.tokenizer) if args.tokenizer else resolve_base_model("smollm2")
         base_model = str(random_model_dir(args.random_init, tokenizer, vocab="tokenizer"))
     rows = asyncio.run(measure(args.concurrency, args.max_tokens, args.waves, base_model,
-                               args.vllm_arg, args.client))
+                               args.vllm_arg, args.client,
+                               Path(args.profile) if args.profile else None))
     result = {"model": args.random_init or args.base_model, "client": args.client,
               **environment(), "results": rows}
     print(json.dumps(result, indent=2))

@@ -78,8 +78,14 @@ def graph(runtime_only: bool = False) -> dict[str, set[str]]:
             for name, path in mods.items()}
 
 
+# packages at the top (ART's import paths), like the modules directly in tracerl/
+TOP_PACKAGES = {"utils", "local"}
+
+
 def stage(module: str) -> str | None:
     parts = module.split(".")
+    if len(parts) > 1 and parts[1] in TOP_PACKAGES:
+        return None
     return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in ALLOWED) else None
 
 

@@ -44,7 +44,27 @@ from .rollout.model import Model, TrainableModel
 # isort: split
 # --- OpenPipe ART's names and import paths (everything ART-only: tracerl.core.art_compat) ------
 from . import dev, utils  # art.dev, art.utils (tracerl.local, .rewards, .langgraph load lazily)
-from .core.trajectory import History
+from .core.backend import LocalTrainResult, TrainResult
+from .core.config import TrainSFTConfig
+from .core.trajectory import (
+    History,
+    Messages,
+    MessagesAndChoices,
+    Tools,
+    current_trajectory,
+    no_capture,
+)
+from .dev import LoRAConfig
+from .rollout.capture import (
+    auto_trajectory,
+    capture_auto_trajectory,
+    capture_yielded_trajectory,
+    trajectory,
+    trajectory_group,
+    yield_trajectory,
+)
+from .rollout.gather import trajectory_group_batches
+from .utils.retry import retry
 
 if TYPE_CHECKING:
     from .backend.local import LocalBackend
@@ -66,8 +86,12 @@ __all__ = [
     "InferenceEndpoint",
     "InvalidTrajectoryError",
     "LLMCall",
+    "LoRAConfig",
     "LocalBackend",
+    "LocalTrainResult",
     "LoraConfig",
+    "Messages",
+    "MessagesAndChoices",
     "Model",
     "ModelConfig",
     "ModelSpec",
@@ -78,22 +102,35 @@ __all__ = [
     "RolloutTimeoutError",
     "Span",
     "TooManyExceptionsError",
+    "Tools",
     "TracerlError",
     "TrainConfig",
     "TrainEvent",
+    "TrainResult",
+    "TrainSFTConfig",
     "TrainableModel",
     "TrainingError",
     "Trajectory",
     "TrajectoryGroup",
+    "auto_trajectory",
     "call_tags",
+    "capture_auto_trajectory",
+    "capture_yielded_trajectory",
     "current_rollout",
+    "current_trajectory",
     "dev",
     "gather_trajectories",
     "gather_trajectory_groups",
     "hookimpl",
+    "no_capture",
+    "retry",
     "rollout_headers",
     "rollout_scope",
+    "trajectory",
+    "trajectory_group",
+    "trajectory_group_batches",
     "utils",
+    "yield_trajectory",
 ]
 
 

@@ -49,4 +49,10 @@ class TrainConfig(TypedDict, total=False):
     allow_training_without_logprobs: bool
 
 
-__all__ = ["EngineArgs", "InitArgs", "InternalModelConfig", "LoRAConfig", "TrainConfig"]
+class TrainSFTConfig(TypedDict, total=False):
+    """ART's experimental options of ``model.train_sft(..., _config=...)``; tracerl takes none
+    (a non-empty one is refused, naming its keys)."""
+
+
+__all__ = ["EngineArgs", "InitArgs", "InternalModelConfig", "LoRAConfig", "TrainConfig",
+           "TrainSFTConfig"]

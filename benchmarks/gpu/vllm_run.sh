@@ -2,7 +2,10 @@
 # On the GPU machine, device call 2 of the vLLM kit (carry [".vllm2"]; call 1 copied
 # .vllm1/part00 to /tmp/vk): install vLLM and its imports into /tmp/site, then run
 # benchmarks/rollout_throughput.py (gateway vs vLLM alone) on random-initialised models.
-#   bash benchmarks/gpu/vllm_run.sh [smollm2-135m:16,64,256 qwen2.5-0.5b:64,256 loop loop-7b]
+#   bash benchmarks/gpu/vllm_run.sh [smollm2-135m:16,64,256 qwen2.5-0.5b:64,256 loop loop-7b
+#                                    adapter-smollm2-135m:64,256]
+# env: WAVES (default 3), PROFILE=1 (py-spy: the gateway process / vLLM's engine core),
+#      VLLM_ARGS (extra flags for adapter_serving.py, e.g. "--vllm-arg=--max-loras=1")
 set -euo pipefail
 test -f /tmp/vk/part00 || { echo "call 1 did not run on this machine (cold start?)"; exit 3; }
 mkdir -p /tmp/site
@@ -14,16 +17,26 @@ cat /tmp/vk/part00 .vllm2/part01 | python3 -c \
 # TRACERL_VLLM_PYTHON at an interpreter that brings /tmp/site along.
 printf '#!/bin/sh\nexport PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0\nexec python3 "$@"\n' > /tmp/vllm-python
 chmod +x /tmp/vllm-python
-export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
+export PATH=/tmp/site/bin:$PATH PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
   TRACERL_VLLM_PYTHON=/tmp/vllm-python TRACERL_CACHE=/tmp/cache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 /tmp/vllm-python -c "import vllm, torch, vllm.entrypoints.openai.api_server; print('vllm', vllm.__version__, torch.cuda.get_device_name(0))" || true
 run_rollouts() {  # SHAPE:C1,C2...
   local shape=${1%%:*} conc=${1##*:}
   timeout ${ROLLOUT_TIMEOUT_S:-280} python3 benchmarks/rollout_throughput.py --random-init "$shape" --tokenizer .vllm2/tok \
-    --concurrency ${conc//,/ } --max-tokens 256 --waves 3 --json "$OUT/rollout-$shape.json" \
+    --concurrency ${conc//,/ } --max-tokens 256 --waves ${WAVES:-3} --json "$OUT/rollout-$shape.json" \
+    ${PROFILE:+--profile "$OUT"} \
     > "$OUT/rollout-$shape.log" 2>&1 || { echo "FAILED $shape"; tail -40 "$OUT/rollout-$shape.log"; }
   grep -E '^\{"concurrency"' "$OUT/rollout-$shape.log" || true
+}
+adapter_check() {  # adapter-SHAPE:C1,C2: LoRA-served vs base tokens/s on one server
+  local spec=${1#adapter-}
+  local shape=${spec%%:*} conc=${spec##*:}
+  timeout ${ROLLOUT_TIMEOUT_S:-300} python3 benchmarks/adapter_serving.py --random-init "$shape" \
+    --tokenizer .vllm2/tok --concurrency ${conc//,/ } --max-tokens 256 --waves ${WAVES:-3} \
+    ${PROFILE:+--profile} ${VLLM_ARGS:-} --json "$OUT/adapter-$shape.json" \
+    > "$OUT/adapter-$shape.log" 2>&1 || { echo "FAILED $1"; tail -40 "$OUT/adapter-$shape.log"; }
+  grep -E '^\{"concurrency"' "$OUT/adapter-$shape.log" || true
 }
 loop_check() {  # the whole loop: rollouts, a GRPO step with vLLM asleep, the adapter hot-loaded
   # loop = SmolLM2-135M shape; loop-7b = Qwen2.5-7B shape with vLLM at 75% of the GPU, which
@@ -41,6 +54,7 @@ loop_check() {  # the whole loop: rollouts, a GRPO step with vLLM asleep, the ad
 # each vLLM start on the H200 takes ~100 s (compile, CUDA graphs); a call has 600 s
 for job in ${@:-smollm2-135m:16,64,256 qwen2.5-0.5b:64,256}; do
   echo "$(date +%T) $job"
-  case $job in loop|loop-7b) loop_check "$job" ;; *) run_rollouts "$job" ;; esac
+  case $job in loop|loop-7b) loop_check "$job" ;; adapter-*) adapter_check "$job" ;;
+    *) run_rollouts "$job" ;; esac
 done
 cp /tmp/tracerl-vllm-*.log "$OUT/" 2>/dev/null || true

@@ -32,10 +32,12 @@ def apply_chat_template_override(tokenizer: Any, name_or_path: str | None) -> No
 
 
 def render_prompt(tokenizer: Any, messages: list[dict[str, Any]],
-                  tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """Token ids of ``messages`` followed by the assistant generation prompt."""
+                  tools: list[dict[str, Any]] | None = None, *,
+                  add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of ``messages`` followed by the assistant generation prompt (without it:
+    the conversation as it is, e.g. ending in the assistant's closed turn)."""
     kwargs = {"tools": tools} if tools else {}
     ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True, **kwargs
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
     )
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

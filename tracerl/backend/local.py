@@ -7,17 +7,18 @@ and engine work never block each other; training runs in a worker thread.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..core.backend import Backend, InferenceEndpoint, TrainEvent
-from ..core.config import TrainConfig
+from ..core.backend import Backend, InferenceEndpoint, LocalTrainResult, TrainEvent, TrainResult
+from ..core.config import TrainConfig, TrainSFTConfig
 from ..core.engine import Engine, EngineError, EngineSpec
 from ..core.errors import ConfigError, TrainingError
 from ..core.hookspecs import hookimpl
@@ -25,8 +26,15 @@ from ..core.model_spec import ModelLike, ModelSpec, spec_of
 from ..core.net import is_loopback
 from ..core.plugins import collect_classes
 from ..core.storage import ModelStore
-from ..core.trajectory import LLMCall, TrajectoryGroup, read_groups_jsonl, write_groups_jsonl
+from ..core.trajectory import (
+    LLMCall,
+    Trajectory,
+    TrajectoryGroup,
+    read_groups_jsonl,
+    write_groups_jsonl,
+)
 from ..core.watchdog import watch
+from .training.sft import sft_step
 from .training.step import train_step
 
 if TYPE_CHECKING:
@@ -210,6 +218,11 @@ class LocalBackend(Backend):
         from .weights import resolve_base_model
 
         model = spec_of(model)
+        if not model.trainable and not model.base_model:
+            # a comparison model served elsewhere (ART's `art.Model(inference_base_url=...)`):
+            # registered for logging only; it keeps its own endpoint
+            self.store(model).write_definition(model.definition())
+            return InferenceEndpoint("", "", model.name)
         if not model.base_model:
             raise ConfigError(f"model {model.key} has no base_model to serve")
         store = self.store(model)
@@ -246,7 +259,13 @@ class LocalBackend(Backend):
                   metrics: dict[str, float]) -> None:
         store = self.store(model)
         path = store.trajectories_path(split, step)
-        write_groups_jsonl(path, groups, append=True)  # several log() calls of one step add up
+        # several log() calls of one step add up; a group already in the file (ART's
+        # `model.log(groups, split="train", step=result.step)` after the step saved them) is not
+        # written twice
+        saved = set(path.read_text().splitlines()) if path.exists() else set()
+        new = [g for g in groups if g.model_dump_json() not in saved]
+        if new:
+            write_groups_jsonl(path, new, append=True)
         store.log_history(step, split, metrics)
 
     async def history(self, model: ModelLike) -> list[dict[str, Any]]:
@@ -255,8 +274,34 @@ class LocalBackend(Backend):
     async def delete_checkpoints(self, model: ModelLike, keep_steps: set[int]) -> list[int]:
         return self.store(model).delete_checkpoints(keep_steps)
 
-    async def train(self, model: ModelLike, groups: list[TrajectoryGroup], config: TrainConfig
-                    ) -> AsyncIterator[TrainEvent]:
+    async def train(self, model: ModelLike, trajectory_groups: Iterable[TrajectoryGroup],
+                    *args: Any, **kwargs: Any) -> LocalTrainResult:
+        """ART 0.5's ``backend.train`` (see :meth:`Backend.train`), with the checkpoint's folder."""
+        result = await super().train(model, trajectory_groups, *args, **kwargs)
+        checkpoint = self.store(model).checkpoint_dir(result.step)
+        return LocalTrainResult(result.step, result.metrics,
+                                str(checkpoint) if checkpoint.exists() else None)
+
+    async def train_events(self, model: ModelLike, groups: list[TrajectoryGroup],
+                           config: TrainConfig) -> AsyncIterator[TrainEvent]:
+        async for event in self._run_step(model, functools.partial(train_step, groups=groups,
+                                                                   config=config)):
+            yield event
+
+    async def train_sft(self, model: ModelLike, trajectories: list[Trajectory],
+                        config: TrainSFTConfig) -> TrainResult:
+        """One supervised step (:mod:`tracerl.backend.training.sft`): a new checkpoint."""
+        result = TrainResult(step=0)
+        async for event in self._run_step(model, functools.partial(
+                sft_step, trajectories=trajectories, config=config)):
+            if event.kind == "done":
+                result = TrainResult(event.step, dict(event.metrics))
+        return result
+
+    async def _run_step(self, model: ModelLike, step_fn: Callable[..., AsyncIterator[TrainEvent]]
+                        ) -> AsyncIterator[TrainEvent]:
+        """Run ``step_fn`` (GRPO's ``train_step`` or SFT's ``sft_step``) as the model's next
+        step, one step of this backend at a time."""
         model = spec_of(model)
         route = self.gateway.models.get(model.name)
         if route is None:
@@ -266,8 +311,8 @@ class LocalBackend(Backend):
                                 "await it first")
         async with self._train_lock:
             store = self.store(model)
-            async for event in train_step(
-                    store.latest_step() + 1, groups, config, store=store,
+            async for event in step_fn(
+                    step=store.latest_step() + 1, store=store,
                     load_policy=lambda: self._policy(model),
                     serving=_ServingOnGateway(self._gateway(), route, route.engine),
                     heartbeat_s=self.heartbeat_s):

@@ -4,10 +4,25 @@
 Every behaviour that exists only because ART has it, and where it lives:
 
 Import paths (thin modules at the top of the package):
-- ``tracerl.local`` (``LocalBackend``), ``tracerl.utils`` (``iterate_dataset``,
-  ``limit_concurrency``), ``tracerl.dev`` (ART's config dicts), ``tracerl.rewards``
-  (``ruler_score_group``, ``ruler``), ``tracerl.langgraph`` (``init_chat_model``,
-  ``wrap_rollout``); ``tracerl/__init__.py`` exports the ART aliases in their own block.
+- ``tracerl.local`` (``LocalBackend``; ``tracerl.local.backend``), ``tracerl.utils``
+  (``iterate_dataset``, ``limit_concurrency``, ``retry``; ``utils.sft``, ``utils.deployment``,
+  ``utils.benchmarking``, ``utils.strip_logprobs``), ``tracerl.dev`` (ART's config dicts),
+  ``tracerl.rewards`` (``ruler_score_group``, ``ruler``), ``tracerl.langgraph``
+  (``init_chat_model``, ``wrap_rollout``); ``tracerl/__init__.py`` exports the ART aliases in
+  their own block (``TrainResult``, ``TrainSFTConfig``, ``Messages``, ``LoRAConfig``, the
+  capture scopes, ``retry``, ``trajectory_group_batches``).
+
+ART 0.5's API (beside ``model.train``):
+- ``await backend.train(model, groups, **kwargs) -> TrainResult`` (``core/backend.py``), its
+  keywords translated by :func:`train_config_from_art_kwargs`; the step itself is
+  ``Backend.train_events``. ``TrainConfig(loss_fn="cispo")`` is ART's default loss.
+- ``model.log(trajectories=None, split, *, metrics=, step=)``, ``model.train_sft``,
+  ``model._internal_config = ...`` after construction (``rollout/model.py``); comparison models
+  that register for logging only (``backend/local.py``).
+- Capture scopes: ``with Trajectory():``, ``current_trajectory``, ``no_capture``
+  (``core/trajectory.py``), ``trajectory``/``trajectory_group`` and the older names
+  (``rollout/capture.py``), ``trajectory_group_batches`` (``rollout/gather.py``).
+- ``iterate_dataset``'s default order is ART's (``rollout/dataset.py``).
 
 Data model (``core/trajectory.py``):
 - ``TrajectoryGroup(rollout_coroutines)`` returns an awaitable ``PendingTrajectoryGroup``
@@ -46,7 +61,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from .config import EngineConfig, LoraConfig, ModelConfig
+from .config import EngineConfig, LoraConfig, ModelConfig, TrainConfig
 from .errors import ConfigError
 
 # ART key -> EngineConfig field
@@ -152,6 +167,72 @@ def model_config_from_art(internal: Mapping[str, Any]) -> ModelConfig:
         return ModelConfig(engine=EngineConfig(**engine), lora=LoraConfig(**lora))
     except ValueError as e:
         raise ConfigError(f"_internal_config: {e}") from None
+
+
+# ART 0.5's ``backend.train`` keyword -> tracerl TrainConfig field (same meaning)
+_TRAIN_KWARGS = {
+    "learning_rate": "learning_rate",
+    "loss_fn": "loss_fn",
+    "kl_penalty_coef": "beta",
+    "epsilon": "epsilon",
+    "epsilon_high": "epsilon_high",
+    "scale_rewards": "scale_rewards",
+    "packed_sequence_length": "micro_batch_tokens",
+}
+# ART keywords tracerl accepts only at the value that means "off" (ART's defaults)
+_TRAIN_KWARGS_OFF: dict[str, Any] = {
+    "loss_fn_config": None, "adam_params": None, "kl_penalty_reference_step": None,
+    "kl_ref_adapter_path": None, "advantage_balance": 0.0, "importance_sampling_level": "token",
+    "max_negative_advantage_importance_sampling_weight": None, "mask_prob_ratio": False,
+    "kimi_k2_tau": None, "precalculate_logprobs": False, "plot_tensors": False,
+    "truncated_importance_sampling": None, "scale_learning_rate_by_reward_std_dev": False,
+    "num_trajectories_learning_rate_multiplier_power": 0.0, "save_checkpoint": True,
+}
+# ART keywords whose every value is tracerl's behaviour already (or only a display/speed knob)
+_TRAIN_KWARGS_IGNORED = {"allow_training_without_logprobs", "logprob_calculation_chunk_size",
+                         "verbose"}
+# ART's clip range per loss (LocalBackend's defaults when epsilon/epsilon_high are not given)
+_LOSS_EPSILON = {"cispo": (1.0, 4.0), "ppo": (0.2, None)}
+
+
+def train_config_from_art_kwargs(kwargs: Mapping[str, Any]) -> TrainConfig:
+    """The :class:`TrainConfig` of ART 0.5's ``backend.train(model, groups, **kwargs)``.
+
+    ART's keywords map to their tracerl field; tracerl's own TrainConfig fields are accepted
+    too. Keywords tracerl has no equivalent for raise :class:`ConfigError` naming them (and, for
+    those with an "off" value, accepting that value)."""
+    fields: dict[str, Any] = {}
+    unsupported = []
+    for key, value in kwargs.items():
+        if key in _TRAIN_KWARGS:
+            fields[_TRAIN_KWARGS[key]] = value
+        elif key in _TRAIN_KWARGS_OFF:
+            if value != _TRAIN_KWARGS_OFF[key]:
+                unsupported.append(f"{key}={value!r} (only {_TRAIN_KWARGS_OFF[key]!r})")
+        elif key == "normalize_advantages":
+            if not value:
+                fields["scale_rewards"] = False
+        elif key in TrainConfig.model_fields:
+            fields[key] = value
+        elif key not in _TRAIN_KWARGS_IGNORED:
+            unsupported.append(key)
+    if unsupported:
+        raise ConfigError(
+            f"backend.train: tracerl has no equivalent for {', '.join(unsupported)}; remove "
+            "them (see tracerl.TrainConfig for what a step can set)")
+    loss_fn = fields.setdefault("loss_fn", "cispo")  # ART 0.5's LocalBackend default
+    if loss_fn not in _LOSS_EPSILON:
+        raise ConfigError(f"backend.train: loss_fn={loss_fn!r}; tracerl trains 'cispo' (ART's "
+                          "default) or 'ppo'")
+    low, high = _LOSS_EPSILON[loss_fn]
+    if fields.get("epsilon") is None:
+        fields["epsilon"] = low
+    if "epsilon_high" not in fields:
+        fields["epsilon_high"] = high
+    try:
+        return TrainConfig(**fields)
+    except ValueError as e:
+        raise ConfigError(f"backend.train: {e}") from None
 
 
 def train_options_from_art(options: Mapping[str, Any]) -> dict[str, Any]:

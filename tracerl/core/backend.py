@@ -3,20 +3,31 @@
 A backend serves registered models for inference, records their calls and trains them. It is
 given :class:`~tracerl.core.model_spec.ModelSpec` objects (or the user's model handle, whose
 ``spec`` it reads with :func:`~tracerl.core.model_spec.spec_of`), and
-reports a training step as :class:`TrainEvent` objects; the caller of :meth:`Backend.train`
-fires the lifecycle hooks from them (:mod:`tracerl.core.lifecycle`).
+reports a training step as :class:`TrainEvent` objects from :meth:`Backend.train_events`; its
+caller fires the lifecycle hooks from them (:mod:`tracerl.core.lifecycle`).
+
+:meth:`Backend.train` is ART 0.5's ``await backend.train(model, groups, **kwargs)``: the same step
+with ART's keyword arguments, returning a :class:`TrainResult`; like ART's, it does not log.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from .config import TrainConfig
-from .model_spec import ModelLike
-from .trajectory import LLMCall, TrajectoryGroup
+from .art_compat import train_config_from_art_kwargs
+from .config import TrainConfig, TrainSFTConfig
+from .errors import ConfigError, InvalidTrajectoryError, TrainingError
+from .lifecycle import train_event
+from .model_spec import ModelLike, spec_of
+from .trajectory import LLMCall, Trajectory, TrajectoryGroup, attach_scoped_calls
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -43,6 +54,22 @@ class TrainEvent:
     elapsed_s: float = 0.0
 
 
+@dataclass
+class TrainResult:
+    """What ``await backend.train(...)`` returns (ART's ``TrainResult``): the step the model is
+    at after training, and the step's training metrics."""
+
+    step: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class LocalTrainResult(TrainResult):
+    """``LocalBackend.train``'s result (ART's ``LocalTrainResult``): with the checkpoint."""
+
+    checkpoint_path: str | None = None
+
+
 class Backend(ABC):
     """Serves models for inference, records their calls and trains them."""
 
@@ -57,9 +84,49 @@ class Backend(ABC):
         """The step of the newest complete checkpoint (0 before any training)."""
 
     @abstractmethod
-    def train(self, model: ModelLike, groups: list[TrajectoryGroup], config: TrainConfig
-              ) -> AsyncIterator[TrainEvent]:
+    def train_events(self, model: ModelLike, groups: list[TrajectoryGroup], config: TrainConfig
+                     ) -> AsyncIterator[TrainEvent]:
         """Train one step on ``groups``: ``started``, any ``heartbeat``, then ``done``."""
+
+    async def train(self, model: ModelLike, trajectory_groups: Iterable[TrajectoryGroup],
+                    *args: Any, **kwargs: Any) -> TrainResult:
+        """ART 0.5's ``await backend.train(model, groups, learning_rate=..., ...)``: one step,
+        ART's keyword arguments translated by
+        :func:`~tracerl.core.art_compat.train_config_from_art_kwargs` (those without an
+        equivalent raise :class:`ConfigError` naming them). It logs nothing (as in ART): log with
+        ``await model.log(groups, metrics=result.metrics, step=result.step, split="train")``.
+        No groups (e.g. RULER swallowed every judge failure) skip the step, as ART does."""
+        if args:
+            raise ConfigError(
+                f"backend.train(model, groups, ...) takes ART's keyword arguments, not a "
+                f"positional {type(args[0]).__name__}: write `await backend.train(model, groups, "
+                "learning_rate=...)`, or keep the config with `await model.train(groups, "
+                "config=TrainConfig(...))`")
+        config = train_config_from_art_kwargs(kwargs)
+        groups = list(trajectory_groups)
+        for i, g in enumerate(groups):
+            if not isinstance(g, TrajectoryGroup):
+                raise InvalidTrajectoryError(
+                    f"backend.train: item {i} is a {type(g).__name__}, not a TrajectoryGroup; "
+                    "did you forget to await gather_trajectory_groups(...)?")
+        if not groups:
+            log.warning("Skipping tuning as there is no suitable data (no trajectory groups: "
+                        "e.g. every group was dropped by a failing judge); the step still "
+                        "advances, as in ART")
+        await attach_scoped_calls(groups)
+        spec = spec_of(model)
+        result = TrainResult(step=0)
+        async for event in self.train_events(spec, groups, config):
+            await train_event(spec, event, groups, config, log_metrics=False)
+            if event.kind == "done":
+                result = TrainResult(step=event.step, metrics=dict(event.metrics))
+        return result
+
+    async def train_sft(self, model: ModelLike, trajectories: list[Trajectory],
+                        config: TrainSFTConfig) -> TrainResult:
+        """One supervised fine-tuning step on whole conversations (a new checkpoint)."""
+        raise TrainingError(f"{type(self).__name__} has no supervised fine-tuning; train_sft "
+                            "runs on a LocalBackend")
 
     @abstractmethod
     async def log(self, model: ModelLike, groups: list[TrajectoryGroup], split: str,
@@ -88,5 +155,35 @@ class Backend(ABC):
     async def __aenter__(self) -> Backend:
         return self
 
+    def __enter__(self) -> Backend:
+        """``with LocalBackend() as backend:`` (ART's sync form) closes it on exit as well."""
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _run_to_end(self.close())
+
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _run_to_end(coro: Coroutine[Any, Any, None]) -> None:
+    """Run ``coro`` to its end from sync code: here, or on a thread of its own when this thread
+    already runs an event loop (a ``with`` block inside async code)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        asyncio.run(coro)
+        return
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(coro)
+        except BaseException as e:  # re-raised in the caller's thread
+            failure.append(e)
+
+    thread = threading.Thread(target=run, name="tracerl-backend-close")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]

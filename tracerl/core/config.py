@@ -17,6 +17,10 @@ class TrainConfig(_Strict):
     """Hyper-parameters of one GRPO training step (ART-compatible names)."""
 
     learning_rate: float = Field(5e-6, gt=0, le=1.0)
+    loss_fn: Literal["ppo", "cispo"] = Field(
+        "ppo", description="'ppo': the clipped surrogate (GRPO); 'cispo': the clipped importance "
+        "weight times the token logprob, the weight detached (ART 0.5's default, with "
+        "epsilon=1, epsilon_high=4)")
     beta: float = Field(0.0, ge=0, validation_alias=AliasChoices("beta", "kl_penalty_coef"),
                         description="KL coefficient against the base model (0 = off); ART's "
                         "kl_penalty_coef is accepted as its name too")
@@ -44,6 +48,30 @@ class TrainConfig(_Strict):
         if self.epsilon_high is not None and self.epsilon_high < self.epsilon * 0.1:
             raise ConfigError("epsilon_high is implausibly small compared with epsilon")
         return self
+
+
+class TrainSFTConfig(_Strict):
+    """One supervised fine-tuning call (ART's ``TrainSFTConfig``): the trajectories are cut into
+    batches of ``batch_size`` (``"auto"``: 2, ART's local default), one optimizer step each, at
+    ``learning_rate`` (one value, or one per batch: a schedule)."""
+
+    learning_rate: float | list[float] = 5e-5
+    batch_size: int | Literal["auto"] = "auto"
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainSFTConfig:
+        rates = self.learning_rate if isinstance(self.learning_rate, list) else [
+            self.learning_rate]
+        if not rates or any(not 0 <= lr <= 1.0 for lr in rates):
+            raise ConfigError(f"learning_rate must be in [0, 1] (or a non-empty list of such), "
+                              f"got {self.learning_rate!r}")
+        if isinstance(self.batch_size, int) and self.batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1 or 'auto', got {self.batch_size}")
+        return self
+
+    @property
+    def resolved_batch_size(self) -> int:
+        return 2 if self.batch_size == "auto" else self.batch_size
 
 
 class LoraConfig(_Strict):

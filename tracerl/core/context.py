@@ -95,6 +95,16 @@ def rollout_scope(
         _current.reset(token)
 
 
+@contextmanager
+def outside_rollout() -> Iterator[None]:
+    """Run a block as part of no rollout (its LLM calls are attributed to none)."""
+    token = _current.set(None)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
 def current_call_tags() -> dict[str, Any]:
     return dict(_call_tags.get() or {})
 

@@ -40,9 +40,10 @@ def trajectory_finished(trajectory: Trajectory) -> None:
 
 
 async def train_event(model: ModelSpec, event: TrainEvent, groups: list[TrajectoryGroup],
-                      config: TrainConfig) -> None:
+                      config: TrainConfig, *, log_metrics: bool = True) -> None:
     """Fire the hooks of one training event, in a worker thread: ``started`` -> before the
-    step; ``done`` -> after the step, then the step's metrics to the loggers."""
+    step; ``done`` -> after the step, then (``log_metrics``) the step's metrics to the loggers
+    (ART 0.5's ``backend.train`` leaves that to ``model.log``)."""
     hook = get_plugin_manager().hook
     if event.kind == "started":
         await asyncio.to_thread(hook.tracerl_before_train_step, model=model, step=event.step,
@@ -50,18 +51,21 @@ async def train_event(model: ModelSpec, event: TrainEvent, groups: list[Trajecto
     elif event.kind == "done":
         await asyncio.to_thread(hook.tracerl_after_train_step, model=model, step=event.step,
                                 metrics=event.metrics)
-        await asyncio.to_thread(hook.tracerl_log_metrics, model=model, step=event.step,
-                                split="train", metrics=event.metrics)
+        if log_metrics:
+            await asyncio.to_thread(hook.tracerl_log_metrics, model=model, step=event.step,
+                                    split="train", metrics=event.metrics)
 
 
 async def step_logged(model: ModelSpec, step: int, split: str, metrics: dict[str, float],
                       groups: list[TrajectoryGroup]) -> None:
-    """Fire the logging hooks of ``model.log``, in a worker thread."""
+    """Fire the logging hooks of ``model.log``, in a worker thread (the trajectories hook only
+    when there are groups: ``model.log(metrics=...)`` logs metrics alone)."""
     hook = get_plugin_manager().hook
     await asyncio.to_thread(hook.tracerl_log_metrics, model=model, step=step, split=split,
                             metrics=metrics)
-    await asyncio.to_thread(hook.tracerl_log_trajectories, model=model, step=step, split=split,
-                            groups=groups)
+    if groups:
+        await asyncio.to_thread(hook.tracerl_log_trajectories, model=model, step=step,
+                                split=split, groups=groups)
 
 
 async def score_group(group: TrajectoryGroup, judge: str | None = None) -> Any:

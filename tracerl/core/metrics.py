@@ -21,7 +21,8 @@ def _std(xs: list[float]) -> float:
 
 
 def summarize_groups(groups: Iterable[TrajectoryGroup]) -> dict[str, float]:
-    """Reward mean/std, every trajectory metric's mean, counts and token totals."""
+    """Reward mean/std, every trajectory metric's and group metric's mean, counts and token
+    totals."""
     groups = list(groups)
     rewards: list[float] = []
     per_metric: dict[str, list[float]] = defaultdict(list)
@@ -52,4 +53,10 @@ def summarize_groups(groups: Iterable[TrajectoryGroup]) -> dict[str, float]:
     }
     for k, vs in per_metric.items():
         out[f"metrics/{k}"] = _mean(vs)
+    per_group_metric: dict[str, list[float]] = defaultdict(list)
+    for g in groups:  # ART's group-level metrics (e.g. a judge's), averaged over groups
+        for k, v in g.metrics.items():
+            per_group_metric[k].append(v)
+    for k, vs in per_group_metric.items():
+        out[f"group_metrics/{k}"] = _mean(vs)
     return out

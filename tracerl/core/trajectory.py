@@ -5,30 +5,41 @@ Everything round-trips losslessly through JSON (``to_json`` / ``from_json``) and
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import math
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeAlias
 
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 from openai.types.chat.chat_completion import Choice
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     field_serializer,
     field_validator,
     model_validator,
 )
 
-from .context import current_rollout
+from .context import RolloutContext, current_rollout, outside_rollout, rollout_scope
 from .errors import InvalidTrajectoryError
 from .spans import Span
 from .storage import atomic_write_text
 from .validated import Validated as _Validated
 from .validated import check_json
+
+# ART's type aliases (``art.Messages``, ``art.MessagesAndChoices``, ``art.Tools``)
+Message: TypeAlias = ChatCompletionMessageParam
+Messages: TypeAlias = list[ChatCompletionMessageParam]
+MessageOrChoice: TypeAlias = ChatCompletionMessageParam | Choice
+MessagesAndChoices: TypeAlias = list[MessageOrChoice]
+Tools: TypeAlias = list[ChatCompletionToolParam]
 
 MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
@@ -43,6 +54,13 @@ def _check_finite(name: str, value: float) -> float:
     return float(value)
 
 
+
+
+def _metrics_dict(value: Any) -> dict[str, float]:
+    if not isinstance(value, dict):
+        raise InvalidTrajectoryError("metrics must be a dict of name -> number")
+    return {str(k): _check_finite(f"metrics[{k!r}]", float(v) if isinstance(v, bool) else v)
+            for k, v in value.items()}
 
 
 class CompletionRecord(_Validated):
@@ -158,11 +176,33 @@ class History(Conversation):
     """Another conversation of the same rollout (ART's ``History``), e.g. a sub-agent's."""
 
 
+# the trajectories whose ``with`` block the running code is in (innermost last)
+_capturing: contextvars.ContextVar[tuple[Trajectory, ...]] = contextvars.ContextVar(
+    "tracerl_capturing", default=())
+
+
+def current_trajectory(*, require: bool = False) -> Trajectory | None:
+    """The trajectory of the innermost ``with Trajectory():`` block (ART's
+    ``art.current_trajectory``); None outside one (``require``: raise instead)."""
+    scopes = _capturing.get()
+    if scopes:
+        return scopes[-1]
+    if require:
+        raise RuntimeError("no trajectory is being captured here: call this inside `with "
+                           "Trajectory():`, `await trajectory(coro)` or "
+                           "`capture_auto_trajectory(coro)`")
+    return None
+
+
 class Trajectory(Conversation):
     """What one rollout did and how well: the ART-compatible trajectory, plus token records.
 
     ``additional_histories`` (ART's field) train only when the rollout has no token records:
     calls made through the gateway are all recorded, sub-agents' included, and train token-exactly.
+
+    ``with Trajectory() as t:`` (ART's capture scope) runs the block as a rollout of its own: the
+    LLM calls made inside are recorded under ``t.rollout_id`` and attached to ``t`` when it is
+    trained or logged; :func:`current_trajectory` returns ``t`` inside.
     """
 
     additional_histories: list[History] = Field(default_factory=list)
@@ -175,6 +215,9 @@ class Trajectory(Conversation):
     rollout_id: str | None = None
     start_time: float = Field(default_factory=time.time)
     end_time: float | None = None
+    # the rollout of its ``with`` block, whose recorded calls are attached later
+    _scope: RolloutContext | None = PrivateAttr(default=None)
+    _scope_exit: list[Any] = PrivateAttr(default_factory=list)
 
     def __init__(self, **data: Any) -> None:
         if data.get("rollout_id") is None:
@@ -191,10 +234,7 @@ class Trajectory(Conversation):
     @field_validator("metrics", mode="before")
     @classmethod
     def _validate_metrics(cls, value: Any) -> dict[str, float]:
-        if not isinstance(value, dict):
-            raise InvalidTrajectoryError("metrics must be a dict of name -> number")
-        return {str(k): _check_finite(f"metrics[{k!r}]", float(v) if isinstance(v, bool) else v)
-                for k, v in value.items()}
+        return _metrics_dict(value)
 
     @field_validator("metadata", mode="after")
     @classmethod
@@ -209,6 +249,76 @@ class Trajectory(Conversation):
     def completion_tokens(self) -> int:
         """Tokens sampled in the rollout's recorded calls."""
         return sum(call.completion_tokens for call in self.llm_calls)
+
+    def finish(self) -> Trajectory:
+        """Stamp the end: ``end_time`` and ART's ``metrics['duration']`` (seconds)."""
+        self.end_time = time.time()
+        self.metrics["duration"] = self.end_time - self.start_time
+        return self
+
+    @asynccontextmanager
+    async def track_duration(self, metric_name: str) -> AsyncIterator[None]:
+        """Add the block's wall time to ``metrics[f"{metric_name}_duration"]`` (ART's)."""
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            key = f"{metric_name}_duration"
+            self.metrics[key] = self.metrics.get(key, 0.0) + time.monotonic() - started
+
+    @property
+    def scope(self) -> RolloutContext | None:
+        """The rollout of this trajectory's ``with`` block, if it was captured by one."""
+        return self._scope
+
+    def __enter__(self) -> Trajectory:
+        scope = rollout_scope()  # a rollout of its own, even inside another one
+        rollout = scope.__enter__()
+        self.rollout_id, self._scope = rollout.rollout_id, rollout
+        self._scope_exit.append((scope, _capturing.set((*_capturing.get(), self))))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        scope, token = self._scope_exit.pop()
+        _capturing.reset(token)
+        scope.__exit__(*exc)
+        self.finish()
+
+
+@contextmanager
+def no_capture() -> Any:
+    """Hide the enclosing capture (ART's ``art.no_capture``): inside, no trajectory is current
+    and LLM calls belong to no enclosing rollout; new ``with Trajectory():`` blocks still
+    capture."""
+    with outside_rollout(), _hidden_capture():
+        yield
+
+
+@contextmanager
+def _hidden_capture() -> Any:
+    token = _capturing.set(())
+    try:
+        yield
+    finally:
+        _capturing.reset(token)
+
+
+async def attach_scoped_calls(groups: Iterable[TrajectoryGroup]) -> None:
+    """Attach the recorded calls of trajectories captured by a ``with`` block, which could not
+    be fetched when the (sync) block ended."""
+    for group in groups:
+        for trajectory in group.trajectories:
+            if trajectory.scope is not None and not trajectory.llm_calls:
+                trajectory.llm_calls = await calls_of(trajectory.scope)
+
+
+async def calls_of(rollout: RolloutContext) -> list[LLMCall]:
+    """The calls the gateway recorded for ``rollout``, from every model it called, in order."""
+    calls: list[LLMCall] = []
+    for model in rollout.models.values():
+        calls.extend(await model.fetch_calls(rollout.rollout_id))
+    calls.sort(key=lambda c: c.created_at)
+    return calls
 
 
 
@@ -253,6 +363,8 @@ class TrajectoryGroup(_Validated, metaclass=_GroupConstruction):
     trajectories: list[Trajectory]
     exceptions: list[RolloutException] = Field(default_factory=list)
     metadata: dict[str, Any] = Field(default_factory=dict)
+    metrics: dict[str, float] = Field(default_factory=dict)  # ART's group-level metrics
+    logs: list[str] = Field(default_factory=list)
 
     def __init__(
         self, trajectories: list[Trajectory | BaseException] | None = None, *,
@@ -282,6 +394,20 @@ class TrajectoryGroup(_Validated, metaclass=_GroupConstruction):
         super().__init__(trajectories=trajectories, exceptions=excs, metadata=metadata or {},
                          **data)
 
+    @field_validator("metrics", mode="before")
+    @classmethod
+    def _validate_group_metrics(cls, value: Any) -> dict[str, float]:
+        return _metrics_dict(value if value is not None else {})
+
+    @field_validator("logs", mode="before")
+    @classmethod
+    def _validate_logs(cls, value: Any) -> list[str]:
+        return list(value) if value is not None else []
+
+    def log(self, message: str) -> None:
+        """Append a free-text line to the group's logs."""
+        self.logs.append(message)
+
     def __len__(self) -> int:
         return len(self.trajectories)
 
@@ -302,10 +428,13 @@ class PendingTrajectoryGroup:
     run_rollouts: ClassVar[RunRollouts | None] = None
 
     def __init__(self, awaitables: list[Awaitable[Trajectory]], *, exceptions: Iterable[Any] = (),
-                 metadata: dict[str, Any] | None = None) -> None:
+                 metadata: dict[str, Any] | None = None, metrics: dict[str, float] | None = None,
+                 logs: list[str] | None = None) -> None:
         self.awaitables = awaitables
         self.exceptions = list(exceptions)
         self.metadata = metadata or {}
+        self.metrics = metrics or {}
+        self.logs = list(logs or [])
 
     def __len__(self) -> int:
         return len(self.awaitables)

@@ -197,8 +197,8 @@ class RemoteBackend(Backend):
     async def get_step(self, model: ModelLike) -> int:
         return (await self._call("GET", self._model_path(model), model=model)).json()["step"]
 
-    async def train(self, model: ModelLike, groups: list[TrajectoryGroup], config: TrainConfig
-                    ) -> AsyncIterator[TrainEvent]:
+    async def train_events(self, model: ModelLike, groups: list[TrajectoryGroup],
+                           config: TrainConfig) -> AsyncIterator[TrainEvent]:
         request_id = "train-" + uuid.uuid4().hex
         body, headers = self._upload(
             {"request_id": request_id, "config": config.model_dump(mode="json")}, groups

@@ -148,7 +148,7 @@ class TrainQueue:
             _write_marker(store, job)
             try:
                 metrics: dict[str, float] = {}
-                async for event in self.backend.train(model, groups, config):
+                async for event in self.backend.train_events(model, groups, config):
                     await train_event(model, event, groups, config)  # the server's plugins
                     if event.kind == "done":
                         metrics = event.metrics

@@ -33,9 +33,11 @@ class DatasetBatch(Generic[T]):
 
 
 def epoch_order(size: int, epoch: int, seed: int = 0) -> list[int]:
-    """The dataset indices of ``epoch`` in the order they are served (same in every process)."""
+    """The dataset indices of ``epoch`` in the order they are served (same in every process).
+    With ``seed=0`` it is ART's order (indices shuffled by a generator seeded with the epoch),
+    so a run resumed from an ART-trained step replays the same items."""
     order = list(range(size))
-    random.Random(f"tracerl-dataset:{seed}:{epoch}").shuffle(order)
+    random.Random(epoch if seed == 0 else f"tracerl-dataset:{seed}:{epoch}").shuffle(order)
     return order
 
 

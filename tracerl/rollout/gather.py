@@ -12,7 +12,7 @@ import math
 import sys
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,7 @@ from ..core.trajectory import (
     RolloutException,
     Trajectory,
     TrajectoryGroup,
+    calls_of,
 )
 from ..core.watchdog import watch
 
@@ -145,13 +146,8 @@ _gather_ctx: contextvars.ContextVar[GatherContext | None] = contextvars.ContextV
 
 async def _attach_calls(trajectory: Trajectory, rollout: RolloutContext) -> None:
     """Attach the gateway's token records of this rollout to its trajectory."""
-    if trajectory.llm_calls:
-        return
-    calls = []
-    for model in rollout.models.values():
-        calls.extend(await model.fetch_calls(rollout.rollout_id))
-    calls.sort(key=lambda c: c.created_at)
-    trajectory.llm_calls = calls
+    if not trajectory.llm_calls:
+        trajectory.llm_calls = await calls_of(rollout)
 
 
 def _fill_messages(trajectory: Trajectory) -> None:
@@ -178,6 +174,8 @@ async def finish_rollout(trajectory: Any, rollout: RolloutContext) -> Trajectory
         raise TypeError(
             f"a rollout must return a tracerl.Trajectory, got {type(trajectory).__name__}"
         )
+    if trajectory.scope is not None:  # captured by its own `with Trajectory():` block
+        rollout = trajectory.scope
     trajectory.rollout_id = rollout.rollout_id
     if trajectory.end_time is None:
         trajectory.end_time = time.time()
@@ -188,7 +186,7 @@ async def finish_rollout(trajectory: Any, rollout: RolloutContext) -> Trajectory
     return trajectory
 
 
-async def _run_rollout(
+async def run_rollout(
     awaitable: Awaitable[Trajectory], timeout: float | None, index: int, group_index: int | None
 ) -> Trajectory:
     rollout = RolloutContext(rollout_id=new_rollout_id(), index=index, group_index=group_index)
@@ -236,7 +234,7 @@ async def run_group(pending: PendingTrajectoryGroup, group_index: int | None = N
     for i, aw in enumerate(pending.awaitables):
         ctx = contextvars.copy_context()
         tasks.append(asyncio.create_task(
-            _run_rollout(aw, gather.rollout_timeout, i, group_index), context=ctx))
+            run_rollout(aw, gather.rollout_timeout, i, group_index), context=ctx))
     trajectories: list[Trajectory] = []
     exceptions = list(pending.exceptions)
     try:
@@ -258,7 +256,8 @@ async def run_group(pending: PendingTrajectoryGroup, group_index: int | None = N
             task.cancel()
         if own:
             gather.close()
-    return TrajectoryGroup(trajectories, exceptions=exceptions, metadata=pending.metadata)
+    return TrajectoryGroup(trajectories, exceptions=exceptions, metadata=pending.metadata,
+                           metrics=pending.metrics, logs=pending.logs)
 
 
 # ``await TrajectoryGroup(rollouts)`` (ART's awaitable group) runs them here
@@ -336,3 +335,46 @@ async def gather_trajectories(
     group = TrajectoryGroup(list(trajectories))
     (result,) = await gather_trajectory_groups([group], **kwargs)
     return result.trajectories
+
+
+async def trajectory_group_batches(
+    groups: Iterable[Awaitable[TrajectoryGroup]], *, batch_size: int,
+    max_batch_exceptions: int | float = 0, max_concurrent_batches: int = 4,
+    skip_batches: int = 0, pbar_desc: str | None = "batches",
+    pbar_total_completion_tokens: bool = False,
+    rollout_timeout: float | None = DEFAULT_ROLLOUT_TIMEOUT_S, show_progress: bool = True,
+) -> AsyncIterator[list[TrajectoryGroup]]:
+    """Yield batches of ``batch_size`` finished groups, in completion order, while up to
+    ``max_concurrent_batches`` batches' groups run (ART's ``art.trajectory_group_batches``).
+    The first ``skip_batches`` batches' groups are not run (resuming); the last batch may be
+    smaller. ``max_batch_exceptions`` bounds the failed rollouts (a count, or a fraction of all
+    rollouts)."""
+    del pbar_total_completion_tokens
+    unstarted = list(groups)[batch_size * skip_batches:]
+    total = sum(len(g) if isinstance(g, PendingTrajectoryGroup) else 1 for g in unstarted)
+    gather = GatherContext(total=total, max_exceptions=max_batch_exceptions,
+                           rollout_timeout=rollout_timeout, desc=pbar_desc,
+                           show_progress=show_progress)
+    context = contextvars.copy_context()  # the rollouts' context: this gather's accounting
+    context.run(_gather_ctx.set, gather)
+    running: set[asyncio.Task[list[TrajectoryGroup]]] = set()
+    batch: list[TrajectoryGroup] = []
+    started = 0
+    try:
+        while unstarted or running:
+            while unstarted and len(running) < batch_size * max_concurrent_batches:
+                running.add(asyncio.create_task(_await_group(unstarted.pop(0), started, None),
+                                                context=context.copy()))
+                started += 1
+            done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                batch.extend(task.result())
+            while len(batch) >= batch_size:
+                yield batch[:batch_size]
+                batch = batch[batch_size:]
+        if batch:
+            yield batch
+    finally:
+        for task in running:
+            task.cancel()
+        gather.close()

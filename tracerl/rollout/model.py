@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import openai
 
 from ..core.art_compat import model_config_from_art, train_options_from_art
-from ..core.config import ModelConfig, TrainConfig
+from ..core.config import ModelConfig, TrainConfig, TrainSFTConfig
 from ..core.context import current_rollout
 from ..core.errors import ConfigError, InvalidTrajectoryError, NotRegisteredError
 from ..core.lifecycle import step_logged, train_event
@@ -18,7 +18,7 @@ from ..core.loops import PerLoop
 from ..core.metrics import summarize_groups
 from ..core.model_spec import ModelSpec
 from ..core.storage import validate_name
-from ..core.trajectory import LLMCall, Trajectory, TrajectoryGroup
+from ..core.trajectory import LLMCall, Trajectory, TrajectoryGroup, attach_scoped_calls
 from . import client as _client
 
 if TYPE_CHECKING:
@@ -27,10 +27,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _as_groups(items: Iterable[Trajectory | TrajectoryGroup]) -> list[TrajectoryGroup]:
+def _as_groups(items: Iterable[Trajectory | BaseException | TrajectoryGroup]
+               ) -> list[TrajectoryGroup]:
     items = list(items)
-    if all(isinstance(i, Trajectory) for i in items) and items:
-        return [TrajectoryGroup(items)]
+    if all(isinstance(i, Trajectory | BaseException) for i in items) and items:
+        return [TrajectoryGroup(items)]  # exceptions among them: the group's failed rollouts
     for i, g in enumerate(items):
         if not isinstance(g, TrajectoryGroup):
             raise InvalidTrajectoryError(
@@ -59,16 +60,33 @@ class Model:
         self.base_model = base_model
         if _internal_config is not None and config is not None:
             raise ConfigError("pass config or ART's _internal_config, not both")
-        self.config = model_config_from_art(_internal_config) if _internal_config is not None else (
-            config or ModelConfig())
+        self._backend: Backend | None = None
+        self.config = config or ModelConfig()
+        self._art_internal_config: dict[str, Any] | None = None
+        if _internal_config is not None:
+            self._internal_config = _internal_config
         self.inference_base_url = inference_base_url
         self.inference_api_key = inference_api_key
         self.inference_model_name = inference_model_name
-        self._backend: Backend | None = None
         self._clients: dict[Any, Any] = {}  # sync clients, and async ones made outside a loop
         # (client, its closer: kept referenced, the loop holds it weakly) per event loop
         self._loop_clients: PerLoop[tuple[openai.AsyncOpenAI, Any]] = PerLoop(
             usable=lambda entry: not entry[0].is_closed())
+
+    @property
+    def _internal_config(self) -> dict[str, Any] | None:
+        """ART's ``art.dev.InternalModelConfig`` dict; setting it (before ``register``, as ART
+        scripts do right after construction) replaces ``config`` with its translation."""
+        return self._art_internal_config
+
+    @_internal_config.setter
+    def _internal_config(self, value: dict[str, Any] | None) -> None:
+        if self._backend is not None:
+            raise ConfigError(f"{self!r}: _internal_config is set after register(); set it "
+                              "before `await model.register(backend)` (the engine is already "
+                              "started with the old config)")
+        self.config = model_config_from_art(value) if value is not None else ModelConfig()
+        self._art_internal_config = value
 
     @property
     def spec(self) -> ModelSpec:
@@ -86,9 +104,10 @@ class Model:
         """Attach the model to ``backend``: it is then served and (if trainable) trainable."""
         endpoint = await backend.register(self.spec)
         self._backend = backend
-        self.inference_base_url = endpoint.base_url
-        self.inference_api_key = endpoint.api_key
-        self.inference_model_name = endpoint.model_name
+        if endpoint.base_url:  # served by the backend (a comparison model keeps its own URL)
+            self.inference_base_url = endpoint.base_url
+            self.inference_api_key = endpoint.api_key
+            self.inference_model_name = endpoint.model_name
         self._clients.clear()
         self._loop_clients.pop_all()
 
@@ -121,7 +140,8 @@ class Model:
         name = self.get_inference_name(step)
         params: dict[str, Any] = {
             # served by a tracerl gateway (vLLM's API); an external model keeps its own prefix
-            "model": f"hosted_vllm/{name}" if self._backend is not None else name,
+            "model": f"hosted_vllm/{name}" if self.trainable and self._backend is not None
+            else name,
             "base_url": base_url, "api_key": api_key,
             "temperature": 1,  # the trained policy is the one sampled at temperature 1
             "num_retries": 0,  # a retry would record the call twice
@@ -164,16 +184,28 @@ class Model:
     # --- logging ---------------------------------------------------------------------------
 
     async def get_step(self) -> int:
-        """The newest trained step (0 before the first)."""
+        """The newest trained step (0 before the first; always 0 for a model not trained here)."""
+        if not self.trainable:
+            return 0
         return await self.backend.get_step(self.spec)
 
-    async def log(self, trajectories: Iterable[Trajectory | TrajectoryGroup],
-                  split: str = "val", metrics: dict[str, float] | None = None) -> dict[str, float]:
-        """Save trajectories and their metrics for the current step; send them to loggers."""
+    async def log(self, trajectories: Iterable[Trajectory | BaseException | TrajectoryGroup]
+                  | None = None, split: str = "val", *, metrics: dict[str, float] | None = None,
+                  step: int | None = None) -> dict[str, float]:
+        """Save trajectories and/or metrics at ``step`` (default: the current one) under
+        ``split``, and send them to the loggers (ART 0.5's signature). Returns what was logged:
+        the groups' summary (reward, metrics, group metrics, counts) and ``metrics``."""
         validate_name("split", split)
-        groups = _as_groups(trajectories)
-        step = await self.get_step()
-        summary = {**summarize_groups(groups), **(metrics or {})}
+        groups = _as_groups(trajectories) if trajectories is not None else []
+        if trajectories is not None and not groups:
+            raise InvalidTrajectoryError("model.log got an empty list of trajectories; pass "
+                                         "trajectories, groups, or only metrics=")
+        if trajectories is None and metrics is None:
+            raise InvalidTrajectoryError("model.log needs trajectories, metrics=, or both")
+        if step is None:
+            step = await self.get_step()
+        await attach_scoped_calls(groups)
+        summary = {**(summarize_groups(groups) if groups else {}), **(metrics or {})}
         await self.backend.log(self.spec, groups, split, step, summary)
         await step_logged(self.spec, step, split, summary, groups)
         return summary
@@ -211,10 +243,14 @@ class TrainableModel(Model):
                                     **train_options_from_art(_config)})
         groups = _as_groups(trajectory_groups)
         if not groups:
-            raise InvalidTrajectoryError("train() got no trajectory groups")
+            raise InvalidTrajectoryError(
+                "train() got no trajectory groups (if a judge dropped them all, e.g. RULER with "
+                "swallow_exceptions=True, skip this step; ART 0.5's `await backend.train(model, "
+                "groups, ...)` skips it for you)")
+        await attach_scoped_calls(groups)
         spec = self.spec
         metrics: dict[str, float] = {}
-        async for event in self.backend.train(spec, groups, config):
+        async for event in self.backend.train_events(spec, groups, config):
             await train_event(spec, event, groups, config)
             if verbose:
                 log.info("%s: step %d %s %s", self.name, event.step, event.kind, ", ".join(
@@ -222,6 +258,30 @@ class TrainableModel(Model):
             if event.kind == "done":
                 metrics = event.metrics
         return metrics
+
+    async def train_sft(self, trajectories: Iterable[Trajectory],
+                        config: TrainSFTConfig | None = None, _config: dict[str, Any] | None = None,
+                        verbose: bool = False) -> None:
+        """Supervised fine-tuning on whole conversations (ART's ``model.train_sft``): loss on the
+        assistant tokens only, ``config.batch_size`` trajectories per optimizer step; one call
+        is one new checkpoint, with its own history line (``sft_batches`` > 0) and its
+        trajectories saved under the ``sft`` split. Usable before RL and between RL steps."""
+        if _config:
+            raise ConfigError(f"train_sft: tracerl has no equivalent for ART's _config keys "
+                              f"{sorted(_config)}; remove _config")
+        trajectories = list(trajectories)
+        if not trajectories:
+            raise InvalidTrajectoryError("train_sft() got no trajectories")
+        for i, t in enumerate(trajectories):
+            if not isinstance(t, Trajectory):
+                raise InvalidTrajectoryError(f"train_sft: item {i} is a {type(t).__name__}, "
+                                             "not a Trajectory")
+        result = await self.backend.train_sft(self.spec, trajectories,
+                                              config or TrainSFTConfig())
+        # the step's history line is written; the loggers get its metrics, as ART's model.log
+        await step_logged(self.spec, result.step, "train", result.metrics, [])
+        if verbose:
+            log.info("%s: SFT step %d %s", self.name, result.step, result.metrics)
 
     async def delete_checkpoints(self, best_checkpoint_metric: str | None = "val/reward",
                                  *, split: str = "val", keep_last: int = 1) -> list[int]:

@@ -295,8 +295,10 @@ class Ruler:
         try:
             judged, n_shared, n_unique = await self.judge_histories(
                 [_judged_conversation(t) for t in trajectories], stats)
-        except RulerError:
-            if swallow_exceptions:
+        except RulerError as e:
+            if swallow_exceptions:  # as ART: the group is dropped, the judge's reason shown
+                log.warning("RULER: judging a group of %d failed, the group is dropped "
+                            "(swallow_exceptions=True): %s", len(trajectories), e)
                 return None
             raise
         for t, result in zip(trajectories, judged, strict=True):

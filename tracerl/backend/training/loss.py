@@ -38,16 +38,21 @@ def grpo_per_token_loss(
     logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, *,
     epsilon: float, epsilon_high: float | None = None, beta: float = 0.0,
     ref_logp: torch.Tensor | None = None, kl_bias_correction: bool = True,
+    loss_fn: str = "ppo",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token clipped policy loss [B, L] and the pieces worth logging.
 
-    ``advantages`` is [B] (one per sequence) or [B, L].
+    ``advantages`` is [B] (one per sequence) or [B, L]. ``loss_fn="cispo"``:
+    ``-clip(r).detach() * A * logp`` (CISPO, ART 0.5's default) instead of the PPO surrogate.
     """
     eps_high = epsilon if epsilon_high is None else epsilon_high
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
     ratio = torch.exp(logp - old_logp)
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + eps_high)
-    loss = -torch.min(ratio * adv, clipped * adv)
+    if loss_fn == "cispo":
+        loss = -(clipped.detach() * adv * logp)
+    else:
+        loss = -torch.min(ratio * adv, clipped * adv)
     parts = {
         "ratio": ratio.detach(),
         "clipped": ((ratio < 1 - epsilon) | (ratio > 1 + eps_high)).detach(),

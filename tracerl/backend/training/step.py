@@ -3,8 +3,9 @@
     save the groups -> rows -> advantages -> micro-batched loss -> optimizer step
     -> atomic checkpoint -> publish the adapter
 
-:func:`train_step` is the whole step as the backend runs it; :func:`grpo_update` is its
-middle, the part that touches the weights (run in a worker thread).
+:func:`train_step` is the whole step as the backend runs it; :func:`run_update` its frame
+(shared with SFT), :func:`grpo_update` its middle, the part that touches the weights (run in a
+worker thread).
 """
 
 from __future__ import annotations
@@ -52,6 +53,25 @@ async def train_step(step: int, groups: list[TrajectoryGroup], config: TrainConf
     # 1. save the groups: a step's data is on disk before anything trains on it (a crashed
     #    step is trained again from this file: backend.pending_groups)
     write_groups_jsonl(store.trajectories_path("train", step), groups)
+    def update(policy: Trainer) -> dict[str, float]:
+        return grpo_update(policy, groups, config,
+                           on_trained=lambda rows: health.write_token_logprobs(store, step, rows))
+
+    summary = {**summarize_groups(groups), **health.unattributed_calls(store)}
+    async for event in run_update(step, update, summary=summary, store=store,
+                                  load_policy=load_policy, serving=serving,
+                                  heartbeat_s=heartbeat_s):
+        yield event
+
+
+async def run_update(step: int, update: Callable[[Trainer], dict[str, float]], *,
+                     summary: dict[str, float], store: ModelStore,
+                     load_policy: Callable[[], Trainer], serving: Serving,
+                     heartbeat_s: float = 30.0) -> AsyncIterator[TrainEvent]:
+    """The frame of every step that changes the adapter (GRPO here, SFT in ``sft.py``):
+    ``update(policy)`` runs in a worker thread while the engine sleeps, then checkpoint ``step``
+    is written atomically, published, and its history line (``summary`` + the update's metrics)
+    appended. Yields started, heartbeats, done."""
     yield TrainEvent("started", step)
     started = time.perf_counter()
     phase = ["putting the engine to sleep"]
@@ -61,15 +81,13 @@ async def train_step(step: int, groups: list[TrajectoryGroup], config: TrainConf
             phase[0] = "loading the policy"
             policy = await asyncio.to_thread(load_policy)
             # 2-5. rows -> advantages -> micro-batched loss -> optimizer step
-            phase[0] = f"the update of {len(groups)} groups (a worker thread)"
-            update = asyncio.ensure_future(asyncio.to_thread(
-                grpo_update, policy, groups, config,
-                on_trained=lambda rows: health.write_token_logprobs(store, step, rows)))
-            while not update.done():
-                await asyncio.wait({update}, timeout=heartbeat_s)
-                if not update.done():
+            phase[0] = "the update (a worker thread)"
+            work = asyncio.ensure_future(asyncio.to_thread(update, policy))
+            while not work.done():
+                await asyncio.wait({work}, timeout=heartbeat_s)
+                if not work.done():
                     yield TrainEvent("heartbeat", step, elapsed_s=time.perf_counter() - started)
-            metrics = update.result()
+            metrics = work.result()
         finally:
             phase[0] = "waking the engine"
             await serving.wake_up()
@@ -78,8 +96,8 @@ async def train_step(step: int, groups: list[TrajectoryGroup], config: TrainConf
         await asyncio.to_thread(policy.save, tmp)
     # 7. publish: the next rollouts are served by the new adapter
     await serving.publish(step, store.checkpoint_dir(step))
-    metrics = {**summarize_groups(groups), **metrics, **health.unattributed_calls(store),
-               "seconds": time.perf_counter() - started}
+    metrics = {**summary, **metrics, "seconds": time.perf_counter() - started}
+    # step health: warnings that name the cause and the fix (GRPO's metrics; none for SFT)
     metrics["health_warnings"] = float(len(health.log_warnings(step, metrics)))
     store.log_history(step, "train", metrics)
     yield TrainEvent("done", step, metrics=metrics)

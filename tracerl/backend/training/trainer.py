@@ -283,7 +283,8 @@ class Trainer:
                     ref = token_logprobs(self._logits(t), t["targets"], t["temps"])
             per_token, parts = grpo_per_token_loss(
                 logp, t["old"], t["adv"], epsilon=config.epsilon, epsilon_high=config.epsilon_high,
-                beta=config.beta, ref_logp=ref, kl_bias_correction=config.kl_bias_correction)
+                beta=config.beta, ref_logp=ref, kl_bias_correction=config.kl_bias_correction,
+                loss_fn=config.loss_fn)
             loss = reduce_loss(per_token, t["mask"], config.loss_normalization, normalizer)
             loss.backward()
             if not collect:
