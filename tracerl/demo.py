@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import random
 import re
@@ -79,6 +80,25 @@ async def phase_bar(desc: str) -> AsyncIterator[None]:
         bar.close()
 
 
+class _AboveBars(logging.StreamHandler):
+    """Log lines printed above the progress bars instead of onto them."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        tqdm.write(self.format(record), file=sys.stderr)
+
+
+def log_above_bars() -> None:
+    """Route the CLI's ``tracerl`` log lines (step-health warnings) around the bars."""
+    logger = logging.getLogger("tracerl")
+    for handler in list(logger.handlers):
+        if type(handler) is logging.StreamHandler:
+            above = _AboveBars()
+            above.setFormatter(handler.formatter)
+            above.setLevel(handler.level)
+            logger.removeHandler(handler)
+            logger.addHandler(above)
+
+
 def quiet_third_party() -> None:
     """No loading bars from transformers / huggingface_hub (ours show the phases instead)."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -110,6 +130,7 @@ async def demo(steps: int, engine: str, base_path: str, group_size: int, groups_
     """Train and evaluate; returns the held-out evaluations and the train reward curve."""
     os.environ.setdefault("TRACERL_QUIET", "1")
     quiet_third_party()
+    log_above_bars()
     import torch
 
     torch.manual_seed(seed)  # sampling order still depends on batching, so runs vary a little
