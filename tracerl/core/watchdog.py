@@ -24,8 +24,7 @@ from dataclasses import dataclass, field
 log = logging.getLogger("tracerl.watchdog")
 
 THRESHOLDS: dict[str, float] = {
-    "gather": 120.0,        # a gather with rollouts still pending
-    "rollout": 120.0,       # one rollout (listed by the gather's description)
+    "gather": 120.0,        # a gather with rollouts still running (each listed, with its last call)
     "train": 300.0,         # a training step's update
     "swap": 30.0,           # an adapter swap waiting for requests in flight
     "engine_start": 300.0,  # an engine that has not answered since it was started
