@@ -148,7 +148,7 @@ async def _chat(model, messages, max_tokens: int, temperature: float = 1.0):
 
 @pytest.fixture(scope="session")
 async def unhealthy_step(tf_backend, agent_model):
-    """One training step of the session model with every step-health problem, each made for
+    """One training step of a model of its own with every step-health problem, each made for
     real: a group with equal rewards, an agent that rewrites history between calls, a call made
     outside any rollout, completions cut at max_tokens, trajectories without token records
     (re-rendered), and prompts from an engine whose chat template differs from the trainer's
@@ -156,7 +156,11 @@ async def unhealthy_step(tf_backend, agent_model):
     reported. Returns (metrics, warnings logged, watchdog messages, model folder)."""
     import tracerl
 
-    backend, model = tf_backend
+    backend, _ = tf_backend
+    model = tracerl.TrainableModel(  # its own model: the session's `gw` stays at step 0
+        name="unhealthy", project="tests", base_model="smollm2",
+        config=tracerl.ModelConfig(engine=tracerl.EngineConfig(max_model_len=256)))
+    await model.register(backend)
     system = {"role": "system", "content": "Answer briefly."}
 
     async def equal_rewards(i: int) -> tracerl.Trajectory:
