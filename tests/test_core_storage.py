@@ -1,6 +1,5 @@
 """Storage: atomic folders and files, append-only JSONL, name validation."""
 
-import json
 
 import pytest
 
@@ -99,11 +98,33 @@ def test_a_torn_last_jsonl_line_is_skipped(tmp_path):
     assert read_jsonl(path) == [{"step": 1}]
 
 
-def test_a_corrupt_jsonl_line_before_the_last_raises(tmp_path):
+def test_a_torn_line_anywhere_is_skipped_and_reported_by_number(tmp_path):
     path = tmp_path / "history.jsonl"
-    path.write_text('{"bad\n{"step": 1}\n')
-    with pytest.raises(json.JSONDecodeError):
-        read_jsonl(path)
+    path.write_text('{"bad\n{"step": 1}\n[1]\n\xff\xfe\n{"step": 2}\n')
+    torn: list[int] = []
+    assert read_jsonl(path, torn=torn) == [{"step": 1}, {"step": 2}]
+    assert torn == [1, 3, 4]
+
+
+def test_an_append_after_a_torn_line_starts_on_a_fresh_line(tmp_path):
+    path = tmp_path / "history.jsonl"
+    append_jsonl(path, {"step": 1})
+    with open(path, "a") as f:
+        f.write('{"step": 2, "rew')  # a kill -9 mid-append
+    append_jsonl(path, {"step": 2})
+    torn: list[int] = []
+    assert read_jsonl(path, torn=torn) == [{"step": 1}, {"step": 2}]
+    assert torn == [2]
+
+
+def test_deleting_checkpoints_keeps_the_newest_so_the_step_never_rewinds(tmp_path):
+    store = ModelStore(tmp_path, "p", "m")
+    for step in (1, 2, 3):
+        with atomic_directory(store.checkpoint_dir(step)) as tmp:
+            (tmp / "adapter.bin").write_bytes(b"x")
+    assert store.delete_checkpoints(keep=set()) == [1, 2]
+    assert store.checkpoint_steps() == [3] and store.latest_step() == 3
+    assert not list(store.checkpoints_dir.glob(".*"))  # nothing half-deleted left behind
 
 
 def one_group(reward):

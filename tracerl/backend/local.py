@@ -272,7 +272,7 @@ class LocalBackend(Backend):
         if not model.base_model:
             raise ConfigError(f"model {model.key} has no base_model to serve")
         store = self.store(model)
-        store.remove_partial_checkpoints()
+        store.recover()  # partial checkpoints go; a crash-lost history line comes back
         store.write_definition(model.definition())
         model_path = await asyncio.to_thread(resolve_base_model, model.base_model)
         engine = await self._engine_for(model, model_path)

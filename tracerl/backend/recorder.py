@@ -10,7 +10,7 @@ import copy
 import threading
 import time
 import uuid
-from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 from ..core.storage import ModelStore, append_jsonl, read_jsonl
@@ -185,34 +185,32 @@ def build_call(*, endpoint: str, caller_body: dict[str, Any], response: dict[str
 
 
 class CallStore:
-    """Recorded calls per rollout: in memory until fetched, and appended to disk as they come.
+    """Recorded calls per rollout, appended to ``calls/{rollout_id}.jsonl`` as they come.
 
-    ``add`` is thread-safe: the gateway calls it from worker threads so that serialising and
-    fsyncing records never blocks its event loop; appends to one rollout's file are serialised.
+    The file is the only copy: ``take`` reads it, so the calls recorded before a restart are
+    returned together with those after it. ``add`` is thread-safe: the gateway calls it from
+    worker threads so that serialising and fsyncing records never blocks its event loop;
+    appends to one rollout's file, and reads of it, are serialised. A failed write raises
+    :class:`~tracerl.core.errors.StorageError` and leaves the file as it was.
     """
 
     _FILE_LOCKS = 64
 
     def __init__(self) -> None:
-        self._calls: dict[tuple[str, str], list[LLMCall]] = defaultdict(list)
-        self._lock = threading.Lock()
         self._file_locks = [threading.Lock() for _ in range(self._FILE_LOCKS)]
 
+    def _file_lock(self, path: Path) -> threading.Lock:
+        return self._file_locks[hash(str(path)) % self._FILE_LOCKS]
+
     def add(self, store: ModelStore, call: LLMCall) -> None:
-        rid = call.rollout_id or UNATTRIBUTED
-        path = store.calls_path(rid)
+        path = store.calls_path(call.rollout_id or UNATTRIBUTED)
         record = call.model_dump(mode="json")
-        with self._file_locks[hash(str(path)) % self._FILE_LOCKS]:
+        with self._file_lock(path):
             append_jsonl(path, record)
-        if call.rollout_id is not None:
-            with self._lock:
-                self._calls[(store.name, rid)].append(call)
 
     def take(self, store: ModelStore, rollout_id: str) -> list[LLMCall]:
-        """The calls of a rollout (from memory, else from disk after a restart)."""
-        with self._lock:
-            calls = self._calls.pop((store.name, rollout_id), None)
-        if calls is not None:
-            return calls
+        """The calls of a rollout, all that its file holds (a torn line is skipped, logged)."""
         path = store.calls_path(rollout_id)
-        return [LLMCall.model_validate(r) for r in read_jsonl(path)] if path.exists() else []
+        with self._file_lock(path):
+            records = read_jsonl(path)
+        return [LLMCall.model_validate(r) for r in records]

@@ -22,6 +22,9 @@
     │   └── QueueFullError                    queue_full             429
     ├── BackendUnavailableError (ConnectionError)  backend_unavailable  503
     ├── RemoteError (RuntimeError)            (the server's code and status)
+    ├── BadAnswerError (RuntimeError)         bad_server_answer      502
+    ├── StorageError (OSError)                storage_error          500
+    │   └── DiskFullError                     disk_full              507
     └── RulerError (RuntimeError)             ruler_failed           502
 
 The two columns are the error's ``code`` and HTTP ``status``: the one table that the gateway, the
@@ -140,6 +143,21 @@ class RemoteError(TracerlError, RuntimeError):
         super().__init__(message)
         self.status = status or 500  # type: ignore[misc]
         self.code = code or "server_error"  # type: ignore[misc]
+
+
+class BadAnswerError(TracerlError, RuntimeError, code="bad_server_answer", status=502):
+    """A remote server answered with something that is not the API's answer (an HTML page, a
+    redirect, empty or garbled JSON); the message names the server and what it sent."""
+
+
+class StorageError(TracerlError, OSError, code="storage_error"):
+    """A file of a model (call record, history, trajectories, checkpoint, marker) could not be
+    written or read; nothing half-written is left where readers look."""
+
+
+class DiskFullError(StorageError, code="disk_full", status=507):
+    """A write failed for lack of space: the disk is full, a quota or the file size limit
+    (``ulimit -f``) was reached. Free space and send the request again."""
 
 
 class RulerError(TracerlError, RuntimeError, code="ruler_failed", status=502):

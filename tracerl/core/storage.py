@@ -4,13 +4,22 @@
     ``model.json``                      the model's definition
     ``history.jsonl``                   one line of metrics per logged step and split
     ``trajectories/{split}/{step:04d}.jsonl``   groups, written before training on them
-    ``checkpoints/{step:04d}/``         LoRA adapters; a folder appears only when complete
+    ``checkpoints/{step:04d}/``         LoRA adapters; a folder appears only when complete,
+                                        with the step's train metrics in ``step_metrics.json``
     ``calls/{rollout_id}.jsonl``        raw gateway records (backend side)
+
+Faults: every write here either completes or leaves the files as they were. A failed write
+(full disk, quota, ``ulimit -f``, I/O error) raises :class:`StorageError` (``DiskFullError`` for
+lack of space) naming the file; a failed append is cut back off, and an append to a file that
+does not end in a newline (a process killed mid-append) starts on a fresh line, so a torn line
+never glues onto the next record. Readers skip a torn line wherever it is, and say so.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import re
 import shutil
@@ -21,10 +30,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, DiskFullError, StorageError
+
+log = logging.getLogger(__name__)
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _CHECKPOINT_RE = re.compile(r"^\d{4,}$")
+STEP_METRICS = "step_metrics.json"
 
 
 def validate_name(kind: str, value: str) -> str:
@@ -50,6 +63,19 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def storage_error(e: OSError, what: str, path: Path) -> StorageError:
+    """The error of a failed write of ``what`` at ``path``: :class:`DiskFullError` for lack of
+    space (ENOSPC, EDQUOT, EFBIG), else :class:`StorageError`; both name the file and errno."""
+    if isinstance(e, StorageError):
+        return e
+    reason = os.strerror(e.errno) if e.errno else str(e)
+    if e.errno in _NO_SPACE:
+        return DiskFullError(e.errno or errno.ENOSPC,
+                             f"could not write {what} {path}: {reason} (the disk, a quota or the "
+                             "file size limit is full); nothing partial was kept")
+    return StorageError(e.errno or errno.EIO, f"could not write {what} {path}: {reason}")
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` so that readers see either the old file or the whole new one."""
     atomic_write_bytes(path, text.encode())
@@ -58,47 +84,83 @@ def atomic_write_text(path: Path, text: str) -> None:
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` so that readers see either the old file or the whole new one."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp: str | None = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        raise storage_error(e, "file", path) from e
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
 
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    """Append one JSON line and fsync it (a crash loses at most a partial last line)."""
+    """Append one JSON line and fsync it. The line starts on a fresh line even after a torn one
+    (a crash mid-append); a failed write is cut back off, so no torn line is left behind."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    line = json.dumps(record, allow_nan=False) + "\n"
-    with open(path, "a") as f:
-        f.write(line)
-        f.flush()
-        os.fsync(f.fileno())
+    line = (json.dumps(record, allow_nan=False) + "\n").encode()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+    except OSError as e:
+        raise storage_error(e, "record", path) from e
+    try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            log.warning("%s does not end in a newline (a torn line from a crash): the next "
+                        "record starts on a new line", path)
+            line = b"\n" + line
+        try:
+            written = 0
+            while written < len(line):
+                written += os.write(fd, line[written:])
+            os.fsync(fd)
+        except OSError as e:
+            try:
+                os.ftruncate(fd, size)  # no torn line: the file is as it was
+            except OSError:
+                log.error("could not cut the torn record off %s", path)
+            raise storage_error(e, "record", path) from e
+    finally:
+        os.close(fd)
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Read a JSONL file, skipping a torn last line left by a crash."""
+def read_jsonl(path: Path, *, torn: list[int] | None = None) -> list[dict[str, Any]]:
+    """Read a JSONL file of objects. Torn lines (a crash mid-append, a failed write of an older
+    version) are skipped wherever they are, logged with their line number, and added to
+    ``torn`` when given."""
     path = Path(path)
-    if not path.exists():
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
         return []
-    lines = path.read_text().splitlines()
+    except OSError as e:
+        raise StorageError(e.errno or errno.EIO, f"could not read {path}: {e}") from e
     out = []
-    for i, line in enumerate(lines):
+    for lineno, line in enumerate(data.split(b"\n"), 1):
         if not line.strip():
             continue
         try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i == len(lines) - 1:
-                continue  # torn tail from a crash mid-append
-            raise
+            value = json.loads(line)
+        except ValueError:  # JSONDecodeError, or bytes that are not UTF-8
+            value = None
+        if not isinstance(value, dict):
+            log.warning("%s line %d is torn or not a JSON object (%d bytes): skipped",
+                        path, lineno, len(line))
+            if torn is not None:
+                torn.append(lineno)
+            continue
+        out.append(value)
     return out
 
 
@@ -106,8 +168,11 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 def atomic_directory(final: Path) -> Iterator[Path]:
     """Yield a temporary folder; on success it is renamed to ``final`` in one step."""
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp"))
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp"))
+    except OSError as e:
+        raise storage_error(e, "folder", final) from e
     try:
         yield tmp
         for p in tmp.rglob("*"):
@@ -118,9 +183,34 @@ def atomic_directory(final: Path) -> Iterator[Path]:
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(final.parent)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise storage_error(e, "folder", final) from e
+    except Exception as e:  # a library's writer (safetensors, torch) hides the OSError
+        shutil.rmtree(tmp, ignore_errors=True)
+        hidden = _hidden_os_error(e, final.parent)
+        if hidden is None:
+            raise
+        raise storage_error(hidden, "folder", final) from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _hidden_os_error(e: Exception, folder: Path) -> OSError | None:
+    """The OS error behind a library's write error: the ``(os error N)`` of Rust writers, else
+    a full disk seen by ``statvfs``; None when the failure is not the disk's."""
+    found = re.search(r"os error (\d+)", str(e))
+    if found:
+        code = int(found.group(1))
+        return OSError(code, os.strerror(code))
+    try:
+        stat = os.statvfs(folder)
+    except OSError:
+        return None
+    if stat.f_bavail * stat.f_frsize < 64 * 1024:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return None
 
 
 class ModelStore:
@@ -150,6 +240,26 @@ class ModelStore:
         validate_name("rollout id", rollout_id)
         return self.root / "calls" / f"{rollout_id}.jsonl"
 
+    def set_aside(self, path: Path, keep_if: bytes) -> Path | None:
+        """Move ``path`` (a recorded file about to be written again, e.g. the trajectories of a
+        step that failed and is sent anew) to ``superseded/`` beside it, unless it holds
+        ``keep_if`` already: recorded files are never overwritten. Returns where it went."""
+        try:
+            if path.read_bytes() == keep_if:
+                return None
+        except FileNotFoundError:
+            return None
+        aside = path.parent / "superseded"
+        try:
+            aside.mkdir(exist_ok=True)
+            n = 1 + len(list(aside.glob(f"{path.stem}.*{path.suffix}")))
+            target = aside / f"{path.stem}.{n}{path.suffix}"
+            os.replace(path, target)
+        except OSError as e:
+            raise storage_error(e, "superseded file", path) from e
+        log.warning("%s was recorded by an earlier attempt of the step: kept as %s", path, target)
+        return target
+
     def checkpoint_steps(self) -> list[int]:
         """Steps with a complete checkpoint, ascending (temporary folders are ignored)."""
         if not self.checkpoints_dir.exists():
@@ -174,6 +284,38 @@ class ModelStore:
         steps = self.checkpoint_steps()
         return steps[-1] if steps else 0
 
+    def recover(self) -> list[int]:
+        """Bring the folder back into agreement after a crash: partial checkpoint folders go,
+        and a checkpoint saved just before the crash gets its history line (from the metrics
+        saved inside it). Returns the steps whose history line was written again."""
+        self.remove_partial_checkpoints()
+        logged = {h.get("step") for h in self.history() if h.get("split") == "train"}
+        repaired = []
+        for step in self.checkpoint_steps():
+            metrics = self.checkpoint_metrics(step)
+            if step not in logged and metrics is not None:
+                log.warning("checkpoint %d of %s has no history line (a crash after it was "
+                            "saved): written again from the checkpoint", step, self.root)
+                self.log_history(step, "train", metrics)
+                repaired.append(step)
+        return repaired
+
+    def checkpoint_metrics(self, step: int) -> dict[str, float] | None:
+        """The train metrics saved inside checkpoint ``step`` (None for older checkpoints)."""
+        path = self.checkpoint_dir(step) / STEP_METRICS
+        try:
+            return json.loads(path.read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def train_metrics(self, step: int) -> dict[str, float]:
+        """The metrics of train step ``step``: its history line, else its checkpoint's."""
+        line = next((h for h in reversed(self.history())
+                     if h.get("step") == step and h.get("split") == "train"), None)
+        if line is not None:
+            return {k: v for k, v in line.items() if k not in ("step", "split", "time")}
+        return self.checkpoint_metrics(step) or {}
+
     def log_history(self, step: int, split: str, metrics: dict[str, float]) -> None:
         append_jsonl(self.history_path,
                      {"step": step, "split": split, "time": time.time(), **metrics})
@@ -185,10 +327,15 @@ class ModelStore:
         atomic_write_text(self.root / "model.json", json.dumps(definition, indent=2))
 
     def delete_checkpoints(self, keep: set[int]) -> list[int]:
-        """Delete every checkpoint whose step is not in ``keep``; return the deleted steps."""
+        """Delete every checkpoint whose step is not in ``keep``, except the newest (it is the
+        model's step: deleting it would rewind the step and reuse its number); return the
+        deleted steps."""
         deleted = []
-        for step in self.checkpoint_steps():
-            if step not in keep:
-                shutil.rmtree(self.checkpoint_dir(step))
+        steps = self.checkpoint_steps()
+        for step in steps[:-1]:
+            if step not in keep:  # renamed first: a crash mid-delete leaves no half checkpoint
+                doomed = self.checkpoints_dir / f".{step:04d}.deleted.tmp"
+                os.replace(self.checkpoint_dir(step), doomed)
+                shutil.rmtree(doomed)
                 deleted.append(step)
         return deleted

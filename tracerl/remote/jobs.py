@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -18,11 +19,19 @@ from pathlib import Path
 from typing import Any
 
 from ..core.config import TrainConfig
-from ..core.errors import ConfigError, QueueFullError, TrainConflictError, code_of
+from ..core.errors import (
+    ConfigError,
+    QueueFullError,
+    StorageError,
+    TrainConflictError,
+    code_of,
+)
 from ..core.lifecycle import train_event
 from ..core.model_spec import ModelSpec
 from ..core.storage import ModelStore, atomic_write_text, validate_name
 from ..core.trajectory import TrajectoryGroup, read_groups_jsonl
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -104,10 +113,7 @@ class TrainQueue:
                 job.state, job.metrics, job.error = saved["state"], saved["metrics"], saved["error"]
                 return self._remember(job)
             if job.step in store.checkpoint_steps():  # crashed after the checkpoint was saved
-                job.state = "done"
-                line = next((h for h in reversed(store.history())
-                             if h.get("step") == job.step and h.get("split") == "train"), {})
-                job.metrics = {k: v for k, v in line.items() if k not in ("step", "split", "time")}
+                job.state, job.metrics = "done", store.train_metrics(job.step)
                 _write_marker(store, job)
                 return self._remember(job)
             if store.latest_step() != job.step - 1:
@@ -142,22 +148,30 @@ class TrainQueue:
 
     async def _run(self, job: TrainJob, model: ModelSpec, store: ModelStore,
                    groups: list[TrajectoryGroup], config: TrainConfig) -> None:
+        """Train the job's step. Whatever fails (the disk, the step, a plugin), the job ends
+        failed or done and the slot is freed: the queue never wedges."""
         async with self._slot:
-            step = store.latest_step() + 1
-            await job.set(state="running", step=step, started_at=time.monotonic())
-            _write_marker(store, job)
             try:
+                step = store.latest_step() + 1
+                await job.set(state="running", step=step, started_at=time.monotonic())
+                _write_marker(store, job)
                 metrics: dict[str, float] = {}
                 async for event in self.backend.train_events(model, groups, config):
                     await train_event(model, event, groups, config)  # the server's plugins
                     if event.kind == "done":
                         metrics = event.metrics
             except Exception as e:
+                log.warning("training request %s of %s failed: %s", job.request_id,
+                            job.model_key, e)
                 await job.set(state="failed", error={
                     "type": type(e).__name__, "code": code_of(e), "message": str(e)})
             else:
                 await job.set(state="done", metrics=metrics)
-            _write_marker(store, job)
+            try:
+                _write_marker(store, job)
+            except StorageError as e:  # the step's own state is on disk (checkpoint, history)
+                log.error("could not record the end of training request %s: %s",
+                          job.request_id, e)
 
     async def events(self, job: TrainJob) -> AsyncIterator[dict[str, Any]]:
         """What a client following ``job`` is told: accepted, started, heartbeats, the end."""

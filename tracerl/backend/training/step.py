@@ -11,6 +11,7 @@ worker thread).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -20,8 +21,8 @@ from typing import TYPE_CHECKING, Protocol
 from ...core.backend import TrainEvent
 from ...core.config import TrainConfig
 from ...core.metrics import summarize_groups
-from ...core.storage import ModelStore, atomic_directory
-from ...core.trajectory import TrajectoryGroup, write_groups_jsonl
+from ...core.storage import STEP_METRICS, ModelStore, atomic_directory, atomic_write_text
+from ...core.trajectory import TrajectoryGroup, group_lines, write_groups_jsonl
 from ...core.watchdog import watch
 from . import health
 from .advantages import group_advantages
@@ -52,7 +53,10 @@ async def train_step(step: int, groups: list[TrajectoryGroup], config: TrainConf
     """Train checkpoint ``step`` on ``groups``; yields started, heartbeats, done."""
     # 1. save the groups: a step's data is on disk before anything trains on it (a crashed
     #    step is trained again from this file: backend.pending_groups)
-    write_groups_jsonl(store.trajectories_path("train", step), groups)
+    saved = store.trajectories_path("train", step)
+    store.set_aside(saved, keep_if=group_lines(groups).encode())  # an earlier attempt's groups
+    write_groups_jsonl(saved, groups)
+
     def update(policy: Trainer) -> dict[str, float]:
         return grpo_update(policy, groups, config,
                            on_trained=lambda rows: health.write_token_logprobs(store, step, rows))
@@ -70,8 +74,9 @@ async def run_update(step: int, update: Callable[[Trainer], dict[str, float]], *
                      heartbeat_s: float = 30.0) -> AsyncIterator[TrainEvent]:
     """The frame of every step that changes the adapter (GRPO here, SFT in ``sft.py``):
     ``update(policy)`` runs in a worker thread while the engine sleeps, then checkpoint ``step``
-    is written atomically, published, and its history line (``summary`` + the update's metrics)
-    appended. Yields started, heartbeats, done."""
+    is written atomically with the step's metrics (``summary`` + the update's) in it, its
+    history line appended, and it is published. Yields started, heartbeats, done."""
+    store.recover()  # a history line lost to a failed write or a crash comes back first
     yield TrainEvent("started", step)
     started = time.perf_counter()
     phase = ["putting the engine to sleep"]
@@ -91,15 +96,18 @@ async def run_update(step: int, update: Callable[[Trainer], dict[str, float]], *
         finally:
             phase[0] = "waking the engine"
             await serving.wake_up()
-    # 6. atomic checkpoint: the folder appears whole, or not at all
-    with atomic_directory(store.checkpoint_dir(step)) as tmp:
-        await asyncio.to_thread(policy.save, tmp)
-    # 7. publish: the next rollouts are served by the new adapter
-    await serving.publish(step, store.checkpoint_dir(step))
     metrics = {**summary, **metrics, "seconds": time.perf_counter() - started}
     # step health: warnings that name the cause and the fix (GRPO's metrics; none for SFT)
     metrics["health_warnings"] = float(len(health.log_warnings(step, metrics)))
+    # 6. atomic checkpoint: the folder appears whole, or not at all, with the step's metrics in
+    #    it, so that a crash before the history line is written loses nothing
+    #    (ModelStore.recover writes the line again from them)
+    with atomic_directory(store.checkpoint_dir(step)) as tmp:
+        await asyncio.to_thread(policy.save, tmp)
+        atomic_write_text(tmp / STEP_METRICS, json.dumps(metrics, allow_nan=False))
     store.log_history(step, "train", metrics)
+    # 7. publish: the next rollouts are served by the new adapter
+    await serving.publish(step, store.checkpoint_dir(step))
     yield TrainEvent("done", step, metrics=metrics)
 
 
