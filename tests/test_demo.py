@@ -22,15 +22,15 @@ def test_number_reward(answer, reward):
 
 @pytest.fixture(scope="module")
 async def demo_run(tmp_path_factory):
-    """``tracerl demo --steps 12`` (minutes of CPU: only the slow tests below use it)."""
-    return await demo(steps=12, engine="transformers",
+    """``tracerl demo`` (8 steps, about a minute of CPU: only the slow tests below use it)."""
+    return await demo(steps=8, engine="transformers",
                       base_path=str(tmp_path_factory.mktemp("demo")), group_size=6,
                       groups_per_step=4)
 
 
 @pytest.mark.slow
 def test_demo_raises_the_held_out_reward(demo_run):
-    """Learning check (slow stage): 12 steps raise the greedy held-out reward by 0.2 or more."""
+    """Learning check (slow stage): 8 steps raise the greedy held-out reward by 0.2 or more."""
     (_, first), (_, last) = demo_run["evals"][0], demo_run["evals"][-1]
     assert last >= first + 0.2, demo_run
 

@@ -64,7 +64,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     return run_demo(steps=args.steps, engine=args.engine, base_path=args.base_path,
                     group_size=args.group_size, groups_per_step=args.groups,
-                    trainer=_trainer_config(args))
+                    trainer=_trainer_config(args), seed=args.seed)
 
 
 def _add_trainer_args(p: argparse.ArgumentParser) -> None:
@@ -92,10 +92,30 @@ def _trainer_config(args: argparse.Namespace) -> DistributedTrainerConfig | None
 def _cmd_report(args: argparse.Namespace) -> int:
     from .report import write_png, write_report
 
+    if args.serve:
+        from .viewer import serve_report
+
+        return serve_report(args.model_dir, host=args.host, port=args.port)
     print(write_report(args.model_dir, out=args.out, step=args.step))
     if args.png:
         print(write_png(args.model_dir))
     return 0
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    import json
+
+    from .doctor import as_json, doctor, worst
+
+    findings = doctor(run=args.run, live=args.live, env=not args.no_env,
+                      base_model=args.base_model, engine=args.engine, path=args.path)
+    if args.json:
+        print(json.dumps(as_json(findings), indent=2))
+    else:
+        for f in findings:
+            print(f.line())
+        print(f"tracerl doctor: {worst(findings)}")
+    return 1 if worst(findings) == "fail" else 0
 
 
 def _cmd_proxy(args: argparse.Namespace) -> int:
@@ -175,7 +195,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--png", action="store_true", help="also write MODEL_DIR/report.png (matplotlib)"
     )
+    p.add_argument("--serve", action="store_true",
+                   help="serve a live trajectory viewer instead (updates while the run trains)")
+    p.add_argument("--host", default="127.0.0.1", help="--serve: bind address (loopback)")
+    p.add_argument("--port", type=int, default=8765, help="--serve: port (0 picks a free one)")
     p.set_defaults(func=_cmd_report)
+
+    p = sub.add_parser("doctor", help="check the environment, a live model and a run's folder")
+    p.add_argument("--run", default=None, metavar="MODEL_DIR",
+                   help="check a run's folder (every step-health item over its history)")
+    p.add_argument("--live", action="store_true",
+                   help="serve the base model and check template, logprobs and adapter swap")
+    p.add_argument("--no-env", action="store_true", help="skip the environment checks")
+    p.add_argument("--base-model", default="smollm2", help="--live: the model to check")
+    p.add_argument("--engine", default="transformers", help="--live: transformers or vllm")
+    p.add_argument("--path", default=".tracerl", help="where runs live (for the disk check)")
+    p.add_argument("--json", action="store_true", help="print the findings as JSON (for CI)")
+    p.set_defaults(func=_cmd_doctor)
 
     p = sub.add_parser("demo", help="train SmolLM2-135M with GRPO on CPU on a verifiable task")
     p.add_argument("--steps", type=int, default=None)
@@ -183,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group-size", type=int, default=None)
     p.add_argument("--groups", type=int, default=None, help="groups per step")
     p.add_argument("--base-path", default=".tracerl")
+    p.add_argument("--seed", type=int, default=0, help="sampling and training-number seed")
     _add_trainer_args(p)
     p.set_defaults(func=_cmd_demo)
 

@@ -9,11 +9,17 @@ and after training.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
 import random
 import re
 import sys
 import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from tqdm.auto import tqdm
 
 import tracerl
 
@@ -46,11 +52,71 @@ async def rollout(model: tracerl.Model, number: str, temperature: float) -> trac
                               metrics={"exact": float(reward == 1.0)}, metadata={"number": number})
 
 
-async def evaluate(model: tracerl.TrainableModel, numbers: list[str]) -> dict[str, float]:
+async def evaluate(model: tracerl.TrainableModel, numbers: list[str], desc: str = "held-out"
+                   ) -> dict[str, float]:
     groups = await tracerl.gather_trajectory_groups(
         [tracerl.TrajectoryGroup(rollout(model, n, 0.0) for n in numbers)],
-        pbar_desc="eval", show_progress=False)
+        pbar_desc=desc, show_progress=True)
     return await model.log(groups, split="val")
+
+
+@contextlib.asynccontextmanager
+async def phase_bar(desc: str) -> AsyncIterator[None]:
+    """A bar for a phase without countable parts (a training step): it shows the time spent."""
+    bar = tqdm(total=1, desc=desc, file=sys.stderr, dynamic_ncols=True,
+               bar_format="{desc}: {elapsed}")
+
+    async def tick() -> None:
+        while True:
+            await asyncio.sleep(1)
+            bar.refresh()
+
+    ticker = asyncio.ensure_future(tick())
+    try:
+        yield
+        bar.update(1)
+    finally:
+        ticker.cancel()
+        bar.close()
+
+
+class _AboveBars(logging.StreamHandler):
+    """Log lines printed above the progress bars instead of onto them."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        tqdm.write(self.format(record), file=sys.stderr)
+
+
+def log_above_bars() -> None:
+    """Route the CLI's ``tracerl`` log lines (step-health warnings) around the bars."""
+    logger = logging.getLogger("tracerl")
+    for handler in list(logger.handlers):
+        if type(handler) is logging.StreamHandler:
+            above = _AboveBars()
+            above.setFormatter(handler.formatter)
+            above.setLevel(handler.level)
+            logger.removeHandler(handler)
+            logger.addHandler(above)
+
+
+def quiet_third_party() -> None:
+    """No loading bars from transformers / huggingface_hub (ours show the phases instead)."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
+def write_plots(model_dir: Path) -> list[str]:
+    """The run's report (HTML, always) and its curves as PNG (when matplotlib is installed)."""
+    from .core.errors import ConfigError
+    from .report import write_png, write_report
+
+    paths = [str(write_report(model_dir))]
+    with contextlib.suppress(ConfigError):
+        paths.append(str(write_png(model_dir)))
+    return paths
 
 
 def _bar(value: float, width: int = 30) -> str:
@@ -59,14 +125,16 @@ def _bar(value: float, width: int = 30) -> str:
 
 
 async def demo(steps: int, engine: str, base_path: str, group_size: int, groups_per_step: int,
-               learning_rate: float = 2e-3,
+               learning_rate: float = 2e-3, eval_every: int = 4, seed: int = 0,
                trainer: tracerl.DistributedTrainerConfig | None = None) -> dict[str, object]:
     """Train and evaluate; returns the held-out evaluations and the train reward curve.
     ``trainer``: train on torch.distributed ranks (``tracerl demo --launcher ray ...``)."""
     os.environ.setdefault("TRACERL_QUIET", "1")
+    quiet_third_party()
+    log_above_bars()
     import torch
 
-    torch.manual_seed(0)  # sampling order still depends on batching, so runs vary a little
+    torch.manual_seed(seed)  # sampling order still depends on batching, so runs vary a little
     backend = tracerl.LocalBackend(path=base_path, engine=None if engine == "auto" else engine,
                                    trainer=trainer)
     name = f"demo-{int(time.time())}"
@@ -79,50 +147,50 @@ async def demo(steps: int, engine: str, base_path: str, group_size: int, groups_
     try:
         await model.register(backend)
         held_out = scenarios(seed=12345, n=24)
-        evals = [(0, await evaluate(model, held_out))]
-        print(f"step 0 held-out reward {evals[0][1]['reward']:.3f}", file=sys.stderr)
+        evals = [(0, await evaluate(model, held_out, "held-out before training"))]
         curve = []
-        config = tracerl.TrainConfig(learning_rate=learning_rate, seed=0)
+        config = tracerl.TrainConfig(learning_rate=learning_rate, seed=seed)
         for step in range(1, steps + 1):
-            train_numbers = scenarios(seed=step, n=groups_per_step)
+            train_numbers = scenarios(seed=1000 * seed + step, n=groups_per_step)
             groups = await tracerl.gather_trajectory_groups(
                 (tracerl.TrajectoryGroup(rollout(model, n, 1.0) for _ in range(group_size))
-                 for n in train_numbers), pbar_desc=f"step {step}", show_progress=False)
+                 for n in train_numbers), pbar_desc=f"step {step}/{steps} rollouts")
             rewards = [t.reward for g in groups for t in g]
             mean = sum(rewards) / len(rewards)
-            metrics = await model.train(groups, config=config)
+            async with phase_bar(f"step {step}/{steps} training"):
+                metrics = await model.train(groups, config=config)
             curve.append(mean)
-            print(
-                f"step {step:2d} train reward {mean:.3f} {_bar(mean)} "
-                f"loss {metrics.get('loss', 0):+.4f} "
-                f"({time.perf_counter() - started:.0f} s)",
-                file=sys.stderr,
-            )
-            if step % 4 == 0 or step == steps:
-                evals.append((step, await evaluate(model, held_out)))
-                print(f"        held-out reward {evals[-1][1]['reward']:.3f}", file=sys.stderr)
+            print(f"step {step:2d} train reward {mean:.3f} {_bar(mean)} "
+                  f"loss {metrics.get('loss', 0):+.4f} "
+                  f"({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+            if step % eval_every == 0 or step == steps:
+                evals.append((step, await evaluate(model, held_out, f"held-out after {step}")))
     finally:
         await backend.close()
+    elapsed = time.perf_counter() - started
+    model_dir = backend.store(model).root
+    plots = write_plots(model_dir)
     print("\nheld-out evaluation (greedy, 24 unseen numbers):")
     for step, m in evals:
-        print(
-            f"  step {step:2d}  reward {m['reward']:.3f}  exact {m['metrics/exact']:.3f}  "
-            f"{_bar(m['reward'])}"
-        )
+        print(f"  step {step:2d}  reward {m['reward']:.3f}  exact {m['metrics/exact']:.3f}  "
+              f"{_bar(m['reward'])}")
     first, last = evals[0][1]["reward"], evals[-1][1]["reward"]
-    print(f"held-out reward {first:.3f} -> {last:.3f} in {time.perf_counter() - started:.0f} s; "
-          f"model folder {backend.store(model).root}")
+    print(f"\nheld-out reward {first:.3f} -> {last:.3f} after {steps} steps in {elapsed:.0f} s\n"
+          f"model folder: {model_dir}\nreport:       {plots[0]}\n"
+          + (f"plot:         {plots[1]}\n" if len(plots) > 1 else "")
+          + f"next:         tracerl report --serve {model_dir}   (live trajectory viewer)\n"
+          f"              tracerl doctor --run {model_dir}")
     return {"evals": [(step, m["reward"]) for step, m in evals], "train_curve": curve,
-            "model_dir": str(backend.store(model).root)}
+            "model_dir": str(model_dir), "seconds": elapsed}
 
 
 def run_demo(steps: int | None = None, engine: str = "auto", base_path: str = ".tracerl",
              group_size: int | None = None, groups_per_step: int | None = None,
-             trainer: tracerl.DistributedTrainerConfig | None = None) -> int:
+             seed: int = 0, trainer: tracerl.DistributedTrainerConfig | None = None) -> int:
     if engine == "auto":
         import torch
 
         engine = "auto" if torch.cuda.is_available() else "transformers"  # faster on a small CPU
-    asyncio.run(demo(steps or 12, engine, base_path, group_size or 6, groups_per_step or 4,
-                     trainer=trainer))
+    asyncio.run(demo(steps or 8, engine, base_path, group_size or 6, groups_per_step or 4,
+                     seed=seed, trainer=trainer))
     return 0

@@ -1,8 +1,9 @@
 """``tracerl report MODEL_DIR``: a self-contained HTML report (inline SVG, no dependencies),
 and with ``--png`` the curves as a PNG (matplotlib).
 
-Reward and loss curves per step from ``history.jsonl``, and the best and worst trajectories of
-a training step from ``trajectories/train/{step}.jsonl``.
+Reward, loss and step-health curves per step from ``history.jsonl``, each step's health
+warnings (cause and fix), and the best and worst trajectories of a training step from
+``trajectories/train/{step}.jsonl``. ``--serve`` is the live viewer (:mod:`tracerl.viewer`).
 """
 
 from __future__ import annotations
@@ -83,6 +84,21 @@ def _render_trajectory(t: Any) -> str:
 
 
 CHARTS = ("reward", "loss")
+HEALTH_CHARTS = ("skipped_groups", "prefix_mismatch_fraction", "rendered_fraction", "engine_kl",
+                 "length_clipped_fraction", "unattributed_calls")
+
+
+def health_section(history: list[dict[str, Any]]) -> list[str]:
+    """Each training step's health warnings (cause and fix), or a line saying all were healthy."""
+    from .backend.training.health import step_warnings
+
+    rows = [(h["step"], w) for h in history if h.get("split", "train") == "train"
+            for w in step_warnings(h)]
+    if not rows:
+        return ["<h2>Step health</h2><p>No step-health warnings.</p>"]
+    items = "".join(f"<li>step {step}: {html.escape(w.message)} &mdash; <i>fix:</i> "
+                    f"{html.escape(w.fix)}</li>" for step, w in rows)
+    return [f"<h2>Step health</h2><ul class='health'>{items}</ul>"]
 
 
 def read_history(model_dir: Path) -> list[dict[str, Any]]:
@@ -96,8 +112,11 @@ def build_report(model_dir: Path, step: int | None = None, n: int = 2) -> str:
     model_dir = Path(model_dir)
     history = read_history(model_dir)
     steps = sorted(int(p.stem) for p in (model_dir / "trajectories" / "train").glob("*.jsonl"))
+    health = [svg_chart(metric, series(history, metric)) for metric in HEALTH_CHARTS
+              if series(history, metric)]
     body = [f"<h1>{html.escape(model_dir.name)}</h1>",
-            *(svg_chart(metric, series(history, metric)) for metric in CHARTS)]
+            *(svg_chart(metric, series(history, metric)) for metric in CHARTS),
+            *health_section(history), *health]
     if steps:
         step = steps[-1] if step is None else step
         path = model_dir / "trajectories" / "train" / f"{step:04d}.jsonl"

@@ -43,6 +43,7 @@ from ..core.errors import (
 )
 from ..core.lifecycle import llm_call_recorded
 from ..core.storage import ModelStore, validate_name
+from ..core.watchdog import watch
 from .protocols.anthropic_messages import AnthropicMessages
 from .protocols.base import Exchange
 from .protocols.responses import Responses
@@ -114,6 +115,11 @@ class _SwapLock:
         if self._readers <= 0:
             self._readers = 0
             self._idle.set()
+
+    def describe(self) -> str:
+        """Who holds the lock (the watchdog's view of a waiting swap)."""
+        held = "a swap holds new requests; " if not self._open.is_set() else ""
+        return f"{held}{self._readers} requests in flight hold the swap lock"
 
     @contextlib.asynccontextmanager
     async def swapping(self, timeout_s: float) -> AsyncIterator[None]:
@@ -206,20 +212,22 @@ class ServedModel:
         """Serve checkpoint ``step``. One resident version: swapped in place once calls in
         flight have finished (new calls wait). Several: ``step`` is loaded beside the others as
         ``name@step``; the oldest beyond ``resident`` is unloaded once no call uses it."""
-        if self.resident <= 1:
-            async with self.swap.swapping(self.timeout_s + 30.0):
-                await self.engine.load_adapter(self.adapter_name, path)
-                self.step = step
-            return
-        await self.engine.load_adapter(self.lora_name(step), path)
-        self.versions[step] = path
-        self.step = max(self.step, step)
-        retired = sorted(self.versions)[:-self.resident]
-        if retired:
-            async with self.swap.swapping(self.timeout_s + 30.0):
-                for old in retired:
-                    del self.versions[old]
-                    await self.engine.unload_adapter(self.lora_name(old))
+        with watch("swap", f"the adapter swap of {self.name} to step {step}",
+                   self.swap.describe):
+            if self.resident <= 1:
+                async with self.swap.swapping(self.timeout_s + 30.0):
+                    await self.engine.load_adapter(self.adapter_name, path)
+                    self.step = step
+                return
+            await self.engine.load_adapter(self.lora_name(step), path)
+            self.versions[step] = path
+            self.step = max(self.step, step)
+            retired = sorted(self.versions)[:-self.resident]
+            if retired:
+                async with self.swap.swapping(self.timeout_s + 30.0):
+                    for old in retired:
+                        del self.versions[old]
+                        await self.engine.unload_adapter(self.lora_name(old))
 
     def still_served(self, step: int | None, body: dict[str, Any], rollout_id: str | None,
                      engine_body: dict[str, Any]) -> int | None:

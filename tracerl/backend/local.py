@@ -33,6 +33,7 @@ from ..core.trajectory import (
     read_groups_jsonl,
     write_groups_jsonl,
 )
+from ..core.watchdog import watch
 from .engines.replica_set import build_engine
 from .publishing import AdapterPublisher
 from .training.sft import sft_step
@@ -229,7 +230,9 @@ class LocalBackend(Backend):
                 engine = make_launcher(self.trainer).engine(cls, spec)
             if engine is None:
                 engine = build_engine(cls, spec)
-            await self._gateway().call(engine.start())
+            with watch("engine_start", f"{engine.name} engine start for {model_path.name}",
+                       lambda: "the engine has not answered since it was started"):
+                await self._gateway().call(engine.start())
             self._engines[key] = engine
         return engine
 

@@ -14,6 +14,7 @@ Data model:
 - ``storage.py``: a model's folder, atomic writes, append-only JSONL.
 - ``net.py``: loopback addresses, free ports, child process groups.
 - ``loops.py``: values kept per event loop (HTTP clients cannot outlive their loop).
+- ``watchdog.py``: a wait longer than its threshold logs what it is waiting on.
 
 Contracts:
 - ``backend.py``: the ``Backend`` contract and its ``TrainEvent`` stream.

@@ -40,6 +40,9 @@ class RolloutContext:
     models: dict[int, Any] = field(default_factory=dict)
     # Structure recorded by framework adapters (tracerl.core.spans.Span), in start order.
     spans: list[Any] = field(default_factory=list)
+    # the newest request sent to a model's endpoint (what the watchdog shows for a stuck rollout)
+    last_call: str | None = None
+    last_call_at: float | None = None
 
     def touch(self, model: Any) -> None:
         """Note that this rollout talked to ``model``'s endpoint."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -30,6 +31,7 @@ def _attribute(request: Any, model: Any) -> None:
     if ctx is None:
         return
     ctx.touch(model)
+    ctx.last_call, ctx.last_call_at = f"{request.method} {request.url.path}", time.time()
     request.headers[ROLLOUT_HEADER] = ctx.rollout_id
     path = request.url.path
     if not path.startswith("/rollouts/"):

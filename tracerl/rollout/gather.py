@@ -35,6 +35,7 @@ from ..core.trajectory import (
     TrajectoryGroup,
     calls_of,
 )
+from ..core.watchdog import watch
 
 DEFAULT_ROLLOUT_TIMEOUT_S = 600.0
 
@@ -58,6 +59,7 @@ class GatherContext:
     metric_sums: Counter[str] = field(default_factory=Counter)
     metric_counts: Counter[str] = field(default_factory=Counter)
     completion_tokens: int = 0
+    running: dict[str, RolloutContext] = field(default_factory=dict)  # for the watchdog
     _bar: Any = None
 
     def __post_init__(self) -> None:
@@ -108,6 +110,20 @@ class GatherContext:
         if self.completion_tokens:
             out["completion_tokens"] = str(self.completion_tokens)
         return out
+
+    def describe_pending(self, limit: int = 5) -> str:
+        """The rollouts still running, oldest first, each with its last call (watchdog)."""
+        now = time.time()
+        running = sorted(self.running.values(), key=lambda r: r.started_at)
+        parts = []
+        for r in running[:limit]:
+            last = (f"last call {r.last_call} {now - r.last_call_at:.0f} s ago"
+                    if r.last_call and r.last_call_at else "no call made yet")
+            parts.append(f"rollout {r.index} of group {r.group_index} ({r.rollout_id}, "
+                         f"{now - r.started_at:.0f} s): {last}")
+        more = f"; {len(running) - limit} more" if len(running) > limit else ""
+        return (f"{len(running)} of {self.total} rollouts still running: "
+                + "; ".join(parts) + more)
 
     def check_exceptions(self) -> None:
         if len(self.exceptions) > self.allowed_exceptions:
@@ -175,10 +191,13 @@ async def run_rollout(
 ) -> Trajectory:
     rollout = RolloutContext(rollout_id=new_rollout_id(), index=index, group_index=group_index)
     enter_rollout(rollout)  # this coroutine runs in a task of its own, in a copied context
+    gather = _gather_ctx.get()
 
     async def drive() -> Any:
         return await awaitable
 
+    if gather is not None:
+        gather.running[rollout.rollout_id] = rollout
     try:
         result = await asyncio.wait_for(drive(), timeout)
     except TimeoutError:
@@ -186,6 +205,9 @@ async def run_rollout(
             f"rollout {index} of group {group_index} ({rollout.rollout_id}) did not finish "
             f"within {timeout} s (rollout_timeout)"
         ) from None
+    finally:
+        if gather is not None:
+            gather.running.pop(rollout.rollout_id, None)
     return await finish_rollout(result, rollout)
 
 
@@ -292,11 +314,12 @@ async def gather_trajectory_groups(
     token = _gather_ctx.set(gather)
     tasks = [asyncio.create_task(_await_group(g, i, after_each)) for i, g in enumerate(groups)]
     try:
-        if tasks:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            for t in done:
-                if t.exception() is not None:
-                    raise t.exception()  # type: ignore[misc]
+        with watch("gather", f"gather {pbar_desc or ''}".strip(), gather.describe_pending):
+            if tasks:
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+                for t in done:
+                    if t.exception() is not None:
+                        raise t.exception()  # type: ignore[misc]
         return [g for t in tasks for g in t.result()]
     finally:
         for t in tasks:

@@ -4,6 +4,8 @@ In flow order:
 - ``rows.py``: training rows from the gateway's token records (rendered only without them).
 - ``advantages.py``: group-relative advantages.
 - ``loss.py``: the clipped policy loss, token logprobs, KL (tested against TRL).
+- ``health.py``: step health (skipped groups, prefix/template mismatches, engine KL, ...)
+  and the warnings that name its cause and fix.
 - ``trainer.py``: the policy (base + LoRA, peft or Unsloth), micro-batches, the optimizer.
 - ``distributed.py``: the same policy on torch.distributed ranks (DDP or FSDP2), driven from
   here: micro-batches dealt to ranks, checkpoints from rank 0, a dead rank named.

@@ -31,7 +31,11 @@ class Row:
     temperatures: list[float]   # per token, the temperature it was sampled at
     advantage: float = 0.0
     group: int = 0
+    trajectory: int = 0         # index within its group
     rendered: bool = False
+    # the trainer's logprobs of the trained tokens in the step's first pass (the viewer's
+    # engine/trainer difference per token)
+    trainer_logprobs: list[float] | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)

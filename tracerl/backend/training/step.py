@@ -23,6 +23,8 @@ from ...core.config import TrainConfig
 from ...core.metrics import summarize_groups
 from ...core.storage import STEP_METRICS, ModelStore, atomic_directory, atomic_write_text
 from ...core.trajectory import TrajectoryGroup, group_lines, write_groups_jsonl
+from ...core.watchdog import watch
+from . import health
 from .advantages import group_advantages
 from .rows import Row, RowStats, rows_from_calls, rows_from_messages
 
@@ -54,10 +56,15 @@ async def train_step(step: int, groups: list[TrajectoryGroup], config: TrainConf
     saved = store.trajectories_path("train", step)
     store.set_aside(saved, keep_if=group_lines(groups).encode())  # an earlier attempt's groups
     write_groups_jsonl(saved, groups)
-    async for event in run_update(
-            step, lambda policy: grpo_update(policy, groups, config), summary=summarize_groups(
-                groups), store=store, load_policy=load_policy, serving=serving,
-            heartbeat_s=heartbeat_s):
+
+    def update(policy: Trainer) -> dict[str, float]:
+        return grpo_update(policy, groups, config,
+                           on_trained=lambda rows: health.write_token_logprobs(store, step, rows))
+
+    summary = {**summarize_groups(groups), **health.unattributed_calls(store)}
+    async for event in run_update(step, update, summary=summary, store=store,
+                                  load_policy=load_policy, serving=serving,
+                                  heartbeat_s=heartbeat_s):
         yield event
 
 
@@ -72,19 +79,26 @@ async def run_update(step: int, update: Callable[[Trainer], dict[str, float]], *
     store.recover()  # a history line lost to a failed write or a crash comes back first
     yield TrainEvent("started", step)
     started = time.perf_counter()
-    await serving.sleep()
-    try:
-        policy = await asyncio.to_thread(load_policy)
-        # 2-5. rows -> advantages -> micro-batched loss -> optimizer step
-        work = asyncio.ensure_future(asyncio.to_thread(update, policy))
-        while not work.done():
-            await asyncio.wait({work}, timeout=heartbeat_s)
-            if not work.done():
-                yield TrainEvent("heartbeat", step, elapsed_s=time.perf_counter() - started)
-        metrics = work.result()
-    finally:
-        await serving.wake_up()
+    phase = ["putting the engine to sleep"]
+    with watch("train", f"training step {step}", lambda: phase[0]):
+        await serving.sleep()
+        try:
+            phase[0] = "loading the policy"
+            policy = await asyncio.to_thread(load_policy)
+            # 2-5. rows -> advantages -> micro-batched loss -> optimizer step
+            phase[0] = "the update (a worker thread)"
+            work = asyncio.ensure_future(asyncio.to_thread(update, policy))
+            while not work.done():
+                await asyncio.wait({work}, timeout=heartbeat_s)
+                if not work.done():
+                    yield TrainEvent("heartbeat", step, elapsed_s=time.perf_counter() - started)
+            metrics = work.result()
+        finally:
+            phase[0] = "waking the engine"
+            await serving.wake_up()
     metrics = {**summary, **metrics, "seconds": time.perf_counter() - started}
+    # step health: warnings that name the cause and the fix (GRPO's metrics; none for SFT)
+    metrics["health_warnings"] = float(len(health.log_warnings(step, metrics)))
     # 6. atomic checkpoint: the folder appears whole, or not at all, with the step's metrics in
     #    it, so that a crash before the history line is written loses nothing
     #    (ModelStore.recover writes the line again from them)
@@ -97,22 +111,23 @@ async def run_update(step: int, update: Callable[[Trainer], dict[str, float]], *
     yield TrainEvent("done", step, metrics=metrics)
 
 
-def grpo_update(policy: Trainer, groups: list[TrajectoryGroup], config: TrainConfig
-                ) -> dict[str, float]:
+def grpo_update(policy: Trainer, groups: list[TrajectoryGroup], config: TrainConfig,
+                on_trained: Callable[[list[Row]], None] | None = None) -> dict[str, float]:
     """Rows with group-relative advantages, then the clipped policy loss over micro-batches
-    and one optimizer step per epoch. Returns the step's metrics."""
+    and one optimizer step per epoch. Returns the step's metrics; ``on_trained`` gets the
+    trained rows (with their engine and trainer logprobs)."""
     rows, stats, skipped_groups = rows_with_advantages(policy, groups, config)
-    metrics = {**stats.as_metrics(), "skipped_groups": float(skipped_groups)}
-    if skipped_groups:
-        log.warning("%d of %d groups skipped: all rewards equal (no learning signal) or a "
-                    "single trajectory", skipped_groups, len(groups))
-    if stats.prefix_mismatches:
-        log.warning("%d calls did not continue the previous call's tokens exactly and were "
-                    "trained as separate rows", stats.prefix_mismatches)
+    metrics = {**stats.as_metrics(), "groups": float(len(groups)),
+               "skipped_groups": float(skipped_groups), **health.completion_clipping(groups),
+               **health.template_mismatches(groups, policy.render)}
+    metrics.update(health.ratios(metrics))  # step health: logged with the step's metrics
     if not rows:
         log.warning("step skipped: no trainable rows")
         return {**metrics, "skipped": 1.0, "loss": 0.0}
-    return {**metrics, **policy.optimize(rows, config)}
+    metrics.update(policy.optimize(rows, config))
+    if on_trained is not None:
+        on_trained(rows)
+    return metrics
 
 
 def rows_with_advantages(policy: Trainer, groups: list[TrajectoryGroup], config: TrainConfig
@@ -129,7 +144,8 @@ def rows_with_advantages(policy: Trainer, groups: list[TrajectoryGroup], config:
         if adv.skipped:
             skipped_groups += 1
             continue
-        for trajectory, advantage in zip(group.trajectories, adv.advantages, strict=True):
+        for ti, (trajectory, advantage) in enumerate(
+                zip(group.trajectories, adv.advantages, strict=True)):
             traj_rows = rows_from_calls(trajectory.llm_calls, stats) if trajectory.llm_calls else []
             if not traj_rows:  # no token records: render the main and additional histories
                 traj_rows = [row for conversation in (trajectory, *trajectory.additional_histories)
@@ -139,7 +155,7 @@ def rows_with_advantages(policy: Trainer, groups: list[TrajectoryGroup], config:
             if not traj_rows:
                 stats.empty_trajectories += 1
             for row in traj_rows:
-                row.advantage, row.group = advantage, gi
+                row.advantage, row.group, row.trajectory = advantage, gi, ti
                 if len(row) > config.micro_batch_tokens:
                     row.truncate(config.micro_batch_tokens)
                     stats.truncated_rows += 1

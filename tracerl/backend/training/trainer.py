@@ -6,6 +6,7 @@ length-bucketed micro-batches with gradient accumulation.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import importlib.util
 import json
 import math
@@ -20,7 +21,7 @@ import torch
 from ...core.config import LoraConfig, TrainConfig
 from ..chat_template import apply_chat_template_override, render_prompt
 from .loss import grpo_per_token_loss, reduce_loss, token_entropy, token_logprobs
-from .rows import Row, has_unknown_logprobs
+from .rows import NAN, Row, has_unknown_logprobs
 
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
@@ -64,6 +65,14 @@ def step_totals(batches: list[list[Row]]) -> dict[str, float]:
     return {"trained_tokens": float(sum(r.trained_tokens for r in rows)),
             "rows": float(len(rows)), "tokens": float(sum(len(r) for r in rows)),
             "micro_batches": float(len(batches))}
+
+
+def _keep_trainer_logprobs(batch: list[Row], logp: torch.Tensor, width: int) -> None:
+    """Each row's trainer logprobs of its trained tokens (``logp`` covers the last columns)."""
+    lp, start = logp.cpu(), width - logp.shape[1]
+    for i, row in enumerate(batch):
+        row.trainer_logprobs = [float(lp[i, j - start]) for j in range(start, len(row))
+                                if row.loss_mask[j]]
 
 
 class Trainer:
@@ -282,6 +291,7 @@ class Trainer:
             kl=sums["kl"] / n,
             entropy=sums["entropy"] / n,
             logprob_mismatch=sums["logprob_mismatch"] / n,
+            engine_kl=sums["engine_kl"] / n,
             grad_norm=grad_norm,
             trained_tokens=n,
             tokens=totals["tokens"],
@@ -303,7 +313,7 @@ class Trainer:
                                 else "rows"]
         normalizer /= self.gradient_scale
         sums = {"loss": 0.0, "ratio": 0.0, "clip_fraction": 0.0, "kl": 0.0, "entropy": 0.0,
-                "logprob_mismatch": 0.0}
+                "logprob_mismatch": 0.0, "engine_kl": 0.0}
         for batch in batches:
             t = self._tensors(batch)
             logits = self._logits(t)
@@ -321,15 +331,27 @@ class Trainer:
             if not collect:
                 continue
             m = t["mask"]
+            _keep_trainer_logprobs(batch, logp.detach(), int(t["input_ids"].shape[1]))
             sums["loss"] += float(loss.detach()) / self.gradient_scale
             sums["ratio"] += float(parts["ratio"][m].sum())
             sums["clip_fraction"] += float(parts["clipped"][m].float().sum())
-            sums["logprob_mismatch"] += float((logp.detach() - t["old"])[m].abs().sum())
+            engine_diff = (logp.detach() - t["old"])[m]  # trainer - engine, per sampled token
+            sums["logprob_mismatch"] += float(engine_diff.abs().sum())
+            # KL(engine || trainer), k3 estimate over tokens the engine sampled (step health)
+            sums["engine_kl"] += float((engine_diff.exp() - engine_diff - 1).sum())
             if "kl" in parts:
                 sums["kl"] += float(parts["kl"][m].sum())
             with torch.no_grad():
                 sums["entropy"] += float(token_entropy(logits.detach()[m], t["temps"][m]).sum())
         return sums
+
+    def policy_logprobs(self, rows: list[Row], max_tokens: int = 8192) -> list[list[float]]:
+        """The current policy's logprobs of each row's trained tokens (``tracerl doctor``
+        compares them with the engine's)."""
+        copies = [dataclasses.replace(r, old_logprobs=[NAN] * len(r)) for r in rows]
+        self._fill_old_logprobs(micro_batches(copies, max_tokens))
+        return [[lp for lp, m in zip(r.old_logprobs, r.loss_mask, strict=True) if m]
+                for r in copies]
 
     @torch.no_grad()
     def _fill_old_logprobs(self, batches: list[list[Row]]) -> None:

@@ -1,0 +1,64 @@
+"""Step health: each problem made for real in one training step (conftest's ``unhealthy_step``)
+is measured in the step's metrics and logged as a warning naming its cause and fix."""
+
+import pytest
+
+from tracerl.backend.training.health import step_warnings
+
+# item: (metric check on the step, words its warning must contain)
+PROBLEMS = {
+    "equal-rewards": (lambda m: m["skipped_groups"] >= 1,
+                      "groups had equal rewards (no learning signal): widen the reward"),
+    "agent-rewrites-history": (lambda m: m["prefix_mismatch_fraction"] == 1.0,
+                               "prompt did not continue the previous call's tokens in 100% of "
+                               "turns: the agent edits history between calls"),
+    "call-outside-a-rollout": (lambda m: m["unattributed_calls"] >= 1,
+                               "without a rollout id and were not trained on"),
+    "completions-cut-at-max-tokens": (lambda m: m["length_clipped_fraction"] >= 0.3,
+                                      "of completions were cut at max_tokens: raise max_tokens"),
+    "trained-on-re-rendered-text": (lambda m: m["rendered_rows"] == 2,
+                                    "of trained rows were re-rendered text, not engine tokens"),
+    "engine-with-another-chat-template": (
+        lambda m: m["template_mismatches"] >= 2,
+        "the trainer's chat template renders"),
+}
+
+
+@pytest.mark.parametrize("measured, warning", PROBLEMS.values(), ids=list(PROBLEMS))
+def test_problem_is_measured_and_warned(unhealthy_step, measured, warning):
+    metrics, warnings, _, _ = unhealthy_step
+    assert measured(metrics), metrics
+    assert any(warning in w for w in warnings), warnings
+
+
+def test_step_health_is_in_the_history(unhealthy_step):
+    _metrics, warnings, _, model_dir = unhealthy_step
+    from tracerl.core.storage import read_jsonl
+
+    last = [h for h in read_jsonl(model_dir / "history.jsonl") if h["split"] == "train"][-1]
+    for key in ("skipped_groups", "groups", "unattributed_calls", "prefix_mismatch_fraction",
+                "rendered_fraction", "template_mismatch_fraction", "engine_kl",
+                "length_clipped_fraction", "health_warnings"):
+        assert key in last, key
+    assert last["health_warnings"] == len(warnings) >= 6
+
+
+def test_same_weights_give_no_engine_kl_warning(unhealthy_step):
+    """The engine served the trainer's own weights: the KL estimate stays under its threshold."""
+    metrics, warnings, _, _ = unhealthy_step
+    assert 0 <= metrics["engine_kl"] < 0.05
+    assert not any("logprobs of the sampled tokens disagree" in w for w in warnings)
+
+
+@pytest.mark.parametrize("metrics, expected", [
+    ({"groups": 8, "skipped_groups": 8}, "all 8 groups had equal rewards"),
+    ({"groups": 8, "skipped_groups": 1}, None),
+    ({"groups": 4, "skipped_groups": 4, "reward": 1.0, "reward_std": 0.0},
+     "all 4 groups had the same reward 1, all of them (no learning signal): the task is solved"),
+    ({"engine_kl": 0.2}, "disagree (KL 0.2 nats/token)"),
+    ({"prefix_mismatch_fraction": 0.4}, "in 40% of turns: the agent edits history"),
+], ids=["all-groups-equal", "under-threshold", "task-solved", "engine-kl",
+        "forty-percent-rewrites"])
+def test_warning_thresholds(metrics, expected):
+    found = [str(w) for w in step_warnings(metrics)]
+    assert (expected is None and not found) or any(expected in w for w in found), found

@@ -1,0 +1,205 @@
+"""Step health: whether a training step's data can teach the model anything, and if not, why.
+
+Every step logs these beside loss and reward (``history.jsonl``):
+
+- ``skipped_groups`` / ``groups``: groups with equal rewards (or one trajectory) carry no signal;
+- ``unattributed_calls``: calls the gateway recorded without a rollout id since the last step;
+- ``prefix_mismatch_fraction``: turns whose prompt did not continue the previous call's tokens;
+- ``rendered_fraction``: rows trained on re-rendered text instead of the engine's tokens;
+- ``template_mismatch_fraction``: recorded prompts the trainer's chat template renders
+  differently from the engine's tokens;
+- ``engine_kl``: KL(engine || trainer) over the sampled tokens (k3 estimate, from the trainer);
+- ``length_clipped_fraction``: completions cut at ``max_tokens``.
+
+:func:`step_warnings` turns them into warnings that name the likely cause and the fix;
+``tracerl doctor`` and ``tracerl report`` read the same metrics back from a run's history.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from ...core.storage import ModelStore, atomic_write_text
+from ...core.trajectory import TrajectoryGroup
+
+log = logging.getLogger(__name__)
+
+UNATTRIBUTED_TOTAL = "unattributed_calls_total"
+TOKEN_LOGPROBS_DIR = "token_logprobs"  # per step: engine and trainer logprobs of trained tokens
+TEMPLATE_SAMPLE = 8  # recorded prompts re-rendered per step to compare chat templates
+
+
+@dataclass(frozen=True)
+class HealthWarning:
+    """One step-health item over its threshold: what was seen, the likely cause, the fix."""
+
+    item: str
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.message}: {self.fix}"
+
+
+def completion_clipping(groups: Iterable[TrajectoryGroup]) -> dict[str, float]:
+    """Recorded completions that stopped at ``max_tokens`` (``finish_reason == "length"``)."""
+    clipped = total = 0
+    for group in groups:
+        for trajectory in group:
+            for call in trajectory.llm_calls:
+                for completion in call.completions:
+                    total += 1
+                    clipped += completion.finish_reason == "length"
+    return {"completions": float(total), "length_clipped": float(clipped),
+            "length_clipped_fraction": clipped / total if total else 0.0}
+
+
+def template_mismatches(groups: Iterable[TrajectoryGroup],
+                        render: Callable[[list[dict[str, Any]], list[dict[str, Any]] | None],
+                                         list[int]],
+                        sample: int = TEMPLATE_SAMPLE) -> dict[str, float]:
+    """Re-render the first ``sample`` recorded chat prompts with the trainer's template and
+    count those whose tokens differ from what the engine saw."""
+    checked = mismatched = 0
+    for group in groups:
+        for trajectory in group:
+            for call in trajectory.llm_calls:
+                messages = call.request.get("messages")
+                if checked >= sample:
+                    break
+                if call.endpoint != "chat.completions" or not messages or not call.prompt_token_ids:
+                    continue
+                checked += 1
+                try:
+                    rendered = render(messages, call.request.get("tools"))
+                except Exception as e:  # a template that cannot render the request differs too
+                    log.debug("re-rendering a recorded prompt failed: %s", e)
+                    rendered = []
+                mismatched += list(rendered) != list(call.prompt_token_ids)
+    return {"template_checked": float(checked), "template_mismatches": float(mismatched),
+            "template_mismatch_fraction": mismatched / checked if checked else 0.0}
+
+
+def unattributed_calls(store: ModelStore) -> dict[str, float]:
+    """Calls recorded without a rollout id since the previous training step."""
+    path = store.calls_path("unattributed")
+    total = 0
+    if path.exists():
+        with open(path, "rb") as f:
+            total = sum(1 for line in f if line.strip())
+    previous = 0.0
+    for entry in reversed(store.history()):
+        if entry.get("split") == "train" and UNATTRIBUTED_TOTAL in entry:
+            previous = float(entry[UNATTRIBUTED_TOTAL])
+            break
+    return {UNATTRIBUTED_TOTAL: float(total), "unattributed_calls": max(total - previous, 0.0)}
+
+
+def ratios(metrics: dict[str, float]) -> dict[str, float]:
+    """The fractions derived from a step's counts."""
+    turns = metrics.get("merged_calls", 0.0) + metrics.get("prefix_mismatches", 0.0)
+    rows = metrics.get("rows", 0.0)
+    return {
+        "prefix_mismatch_fraction": metrics.get("prefix_mismatches", 0.0) / turns if turns else 0.0,
+        "rendered_fraction": min(metrics.get("rendered_rows", 0.0) / rows, 1.0) if rows else 0.0,
+    }
+
+
+# thresholds: a step over one of them logs a warning (configurable by assigning to this dict)
+THRESHOLDS: dict[str, float] = {
+    "skipped_groups": 0.25,           # fraction of the step's groups
+    "unattributed_calls": 1,          # calls since the previous step
+    "prefix_mismatch_fraction": 0.2,  # of turns after the first
+    "rendered_fraction": 0.01,        # of trained rows
+    "template_mismatch_fraction": 0.01,
+    "engine_kl": 0.05,                # nats per sampled token
+    "length_clipped_fraction": 0.3,   # of completions
+}
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+def step_warnings(m: dict[str, Any], thresholds: dict[str, float] | None = None
+                  ) -> list[HealthWarning]:
+    """The warnings a step's metrics call for (empty when healthy)."""
+    t = {**THRESHOLDS, **(thresholds or {})}
+    out: list[HealthWarning] = []
+    groups, skipped = float(m.get("groups", 0) or 0), float(m.get("skipped_groups", 0) or 0)
+    if groups and skipped / groups >= t["skipped_groups"]:
+        seen = (f"all {skipped:.0f} groups" if skipped >= groups
+                else f"{skipped:.0f} of {groups:.0f} groups")
+        if skipped >= groups and m.get("reward_std") == 0.0 and "reward" in m:
+            out.append(HealthWarning(  # every trajectory of the step had the same reward
+                "skipped_groups", f"{seen} had the same reward {m['reward']:.3g}, all of them "
+                "(no learning signal)", "the task is solved (or never rewarded) at this "
+                "difficulty: stop here, or make the tasks harder or the reward finer"))
+        else:
+            out.append(HealthWarning(
+                "skipped_groups", f"{seen} had equal rewards (no learning signal)",
+                "widen the reward (partial credit) or raise the group size"))
+    if float(m.get("unattributed_calls", 0) or 0) >= t["unattributed_calls"]:
+        out.append(HealthWarning(
+            "unattributed_calls",
+            f"{m['unattributed_calls']:.0f} calls reached the gateway without a rollout id and "
+            "were not trained on",
+            "make the calls inside gather_trajectory_groups / tracerl.rollout_scope with "
+            "model.openai_client(), or send the x-rollout-id header"))
+    checks = (
+        ("prefix_mismatch_fraction",
+         "prompt did not continue the previous call's tokens in {pct} of turns",
+         "the agent edits history between calls (trims, summarises or re-renders messages); "
+         "keep earlier messages verbatim, or accept one training row per such call"),
+        ("rendered_fraction", "{pct} of trained rows were re-rendered text, not engine tokens",
+         "the calls were not recorded by the gateway: use model.openai_client() (or the "
+         "gateway's base_url) inside each rollout so token ids and logprobs are kept"),
+        ("template_mismatch_fraction",
+         "the trainer's chat template renders {pct} of recorded prompts differently from the "
+         "engine", "serve and train with the same EngineConfig.chat_template; run "
+         "`tracerl doctor --live` to compare them"),
+        ("length_clipped_fraction", "{pct} of completions were cut at max_tokens",
+         "raise max_tokens, or reward shorter answers"),
+    )
+    for item, message, fix in checks:
+        value = float(m.get(item, 0) or 0)
+        if value >= t[item]:
+            out.append(HealthWarning(item, message.format(pct=_pct(value)), fix))
+    kl = float(m.get("engine_kl", 0) or 0)
+    if kl >= t["engine_kl"]:
+        out.append(HealthWarning(
+            "engine_kl",
+            f"engine and trainer logprobs of the sampled tokens disagree (KL {kl:.3g} nats/token)",
+            "the engine serves other weights, another adapter, dtype or chat template than the "
+            "trainer; run `tracerl doctor --live`"))
+    return out
+
+
+def log_warnings(step: int, metrics: dict[str, Any]) -> list[HealthWarning]:
+    """Log each warning of a step's metrics; returns them."""
+    warnings = step_warnings(metrics)
+    for w in warnings:
+        log.warning("step %d: %s", step, w)
+    return warnings
+
+
+def token_logprobs_path(root: Any, step: int) -> Any:
+    return root / TOKEN_LOGPROBS_DIR / f"{step:04d}.jsonl"
+
+
+def write_token_logprobs(store: ModelStore, step: int, rows: Iterable[Any]) -> None:
+    """Per trained row: its group, trajectory, and the engine's and trainer's logprobs of its
+    trained tokens (what the viewer shows per token)."""
+    import json
+
+    lines = []
+    for row in rows:
+        engine = [lp for lp, m in zip(row.old_logprobs, row.loss_mask, strict=True) if m]
+        lines.append(json.dumps({"group": row.group, "trajectory": row.trajectory,
+                                 "engine": engine, "trainer": row.trainer_logprobs or []}))
+    path = token_logprobs_path(store.root, step)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, "".join(line + "\n" for line in lines))
