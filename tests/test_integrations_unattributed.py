@@ -19,7 +19,8 @@ async def _say(model, word: str) -> str:
     return r.choices[0].message.content or ""
 
 
-async def test_a_call_outside_any_rollout_is_counted_and_warned_with_the_fix(tf_backend, caplog, monkeypatch):
+async def test_a_call_outside_any_rollout_is_counted_and_warned_with_the_fix(
+        tf_backend, caplog, monkeypatch):
     _, model = tf_backend
     monkeypatch.setitem(unattributed_calls, "no_rollout", 0)  # so this call is the one warned
     with caplog.at_level("WARNING"):
@@ -28,7 +29,8 @@ async def test_a_call_outside_any_rollout_is_counted_and_warned_with_the_fix(tf_
     assert "outside any rollout" in caplog.text and "rollout_scope" in caplog.text
 
 
-async def test_a_call_after_its_rollout_finished_is_counted_and_warned(tf_backend, caplog, monkeypatch):
+async def test_a_call_after_its_rollout_finished_is_counted_and_warned(
+        tf_backend, caplog, monkeypatch):
     _, model = tf_backend
     finished = asyncio.Event()
     late: list[asyncio.Task] = []
