@@ -65,17 +65,20 @@ async def client_for(kind: str, concurrency: int) -> AsyncIterator[Post]:
 
 
 async def measure(concurrencies: list[int], max_tokens: int, waves: int, base_model: str,
-                  vllm_args: list[str], client: str, profile: Path | None = None) -> list[dict]:
+                  vllm_args: list[str], client: str, profile: Path | None = None,
+                  replicas: int = 1) -> list[dict]:
     backend = tracerl.LocalBackend(path=tempfile.mkdtemp(), engine="vllm")
     model = tracerl.TrainableModel(
         name="bench", project="bench", base_model=base_model,
         config=tracerl.ModelConfig(engine=tracerl.EngineConfig(
             max_num_seqs=max(concurrencies), max_model_len=max(512, max_tokens + 128),
-            extra_args=vllm_args)))
+            extra_args=vllm_args, replicas=replicas, replicas_per_gpu=replicas)))
     started = time.perf_counter()
     await model.register(backend)
     print(f"engine up in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     engine = backend.gateway.models[model.name].engine
+    if replicas > 1:  # the peer: one server of the set, called directly, the others idle
+        engine = engine.replicas[0].engine
     body = {"max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True}
     results = []
     try:
@@ -164,6 +167,9 @@ def main() -> None:
                     help="the benchmark's HTTP client, the same for both paths")
     ap.add_argument("--profile", help="folder: py-spy samples this process (client + gateway) "
                     "during the last gateway wave of the highest concurrency")
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="the gateway routes to a replica set of this many servers on the GPU; "
+                    "the direct path calls one of them")
     ap.add_argument("--json")
     args = ap.parse_args()
     base_model = args.base_model
@@ -175,8 +181,9 @@ def main() -> None:
         base_model = str(random_model_dir(args.random_init, tokenizer, vocab="tokenizer"))
     rows = asyncio.run(measure(args.concurrency, args.max_tokens, args.waves, base_model,
                                args.vllm_arg, args.client,
-                               Path(args.profile) if args.profile else None))
+                               Path(args.profile) if args.profile else None, args.replicas))
     result = {"model": args.random_init or args.base_model, "client": args.client,
+              "replicas": args.replicas,
               **environment(), "results": rows}
     print(json.dumps(result, indent=2))
     if args.json:

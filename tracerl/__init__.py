@@ -40,6 +40,7 @@ from .core.trajectory import (
 from .rollout.client import rollout_headers
 from .rollout.gather import gather_trajectories, gather_trajectory_groups
 from .rollout.model import Model, TrainableModel
+from .rollout.pipeline import PipelineTrainer, RolloutPipeline, TrainedStep
 
 # isort: split
 # --- OpenPipe ART's names and import paths (everything ART-only: tracerl.core.art_compat) ------
@@ -96,9 +97,11 @@ __all__ = [
     "ModelConfig",
     "ModelSpec",
     "NotRegisteredError",
+    "PipelineTrainer",
     "PluginError",
     "RemoteBackend",
     "RolloutException",
+    "RolloutPipeline",
     "RolloutTimeoutError",
     "Span",
     "TooManyExceptionsError",
@@ -109,6 +112,7 @@ __all__ = [
     "TrainResult",
     "TrainSFTConfig",
     "TrainableModel",
+    "TrainedStep",
     "TrainingError",
     "Trajectory",
     "TrajectoryGroup",

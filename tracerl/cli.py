@@ -98,7 +98,7 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import os
 
-    from .remote.serve import parse_base_models, serve
+    from .remote.serve import parse_base_models, placement_options, serve
 
     api_key = os.environ.get(args.api_key_env) or None
     if args.api_key_file:
@@ -117,6 +117,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_upload_bytes=args.max_upload_mb * 1024 * 1024,
         max_queued=args.max_queued,
         allow_engine_args=args.allow_engine_args,
+        placement=placement_options(
+            replicas=args.replicas, replica_urls=args.replica_url,
+            replicas_per_gpu=args.replicas_per_gpu, gpus_per_replica=args.gpus_per_replica,
+            replica_failure=args.replica_failure, publish_dir=args.publish_dir,
+            publish_mount=args.publish_mount),
     )
 
 
@@ -184,6 +189,21 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="let clients pass vLLM flags (EngineConfig.extra_args); they can name server paths",
     )
+    g = p.add_argument_group("replicas (where inference runs, for every model; clients' "
+                             "own replica settings are replaced by these)")
+    g.add_argument("--replicas", type=int, default=None,
+                   help="vLLM servers to start, spread over the GPUs (default 1)")
+    g.add_argument("--replicas-per-gpu", type=int, default=1, help="servers sharing each GPU")
+    g.add_argument("--gpus-per-replica", type=int, default=1,
+                   help="GPUs per server (tensor parallel)")
+    g.add_argument("--replica-url", action="append", default=[], metavar="URL",
+                   help="route to an existing vLLM server instead (repeatable)")
+    g.add_argument("--replica-failure", choices=["restart", "drop"], default="restart",
+                   help="what happens to a replica that dies")
+    g.add_argument("--publish-dir", default=None,
+                   help="where adapters are published as policy@N (e.g. /dev/shm/tracerl)")
+    g.add_argument("--publish-mount", default=None,
+                   help="where the servers see an fsspec --publish-dir (s3://...) mounted")
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("proxy", help="run a LiteLLM proxy in front of a tracerl gateway")

@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu/vllm_run.sh [smollm2-135m:16,64,256 qwen2.5-0.5b:64,256 loop loop-7b
 #                                    adapter-smollm2-135m:64,256]
 # env: WAVES (default 3), PROFILE=1 (py-spy: the gateway process / vLLM's engine core),
-#      VLLM_ARGS (extra flags for adapter_serving.py, e.g. "--vllm-arg=--max-loras=1")
+#      VLLM_ARGS (extra benchmark flags, e.g. "--vllm-arg=--max-loras=1"),
+#      REPLICAS=K (rollout jobs: the gateway over K servers on the GPU vs one of them directly)
 set -euo pipefail
 test -f /tmp/vk/part00 || { echo "call 1 did not run on this machine (cold start?)"; exit 3; }
 mkdir -p /tmp/site
@@ -25,7 +26,7 @@ run_rollouts() {  # SHAPE:C1,C2...
   local shape=${1%%:*} conc=${1##*:}
   timeout ${ROLLOUT_TIMEOUT_S:-280} python3 benchmarks/rollout_throughput.py --random-init "$shape" --tokenizer .vllm2/tok \
     --concurrency ${conc//,/ } --max-tokens 256 --waves ${WAVES:-3} --json "$OUT/rollout-$shape.json" \
-    ${PROFILE:+--profile "$OUT"} \
+    ${PROFILE:+--profile "$OUT"} --replicas ${REPLICAS:-1} ${VLLM_ARGS:-} \
     > "$OUT/rollout-$shape.log" 2>&1 || { echo "FAILED $shape"; tail -40 "$OUT/rollout-$shape.log"; }
   grep -E '^\{"concurrency"' "$OUT/rollout-$shape.log" || true
 }

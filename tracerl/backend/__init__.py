@@ -4,7 +4,9 @@ In flow order (one request, then one training step):
 - ``gateway.py``: the OpenAI-compatible endpoint; routes a call to its model's engine.
 - ``request_body.py``: request bodies read under size limits (gateway and control API).
 - ``recorder.py``: turns engine answers into token-exact ``LLMCall`` records, kept per rollout.
-- ``engines/``: vLLM (a server subprocess) and transformers (in process) behind ``Engine``.
+- ``engines/``: vLLM (a server subprocess) and transformers (in process) behind ``Engine``;
+  a replica set routes over several servers.
+- ``publishing.py``: each step's adapter written once as ``policy@N`` where all servers read it.
 - ``chat_template.py``: chat templates, the same for serving and training.
 - ``weights.py``: ``base_model`` to a local folder (the embedded SmolLM2 included).
 - ``training/``: rows, advantages, loss, the policy, and the step itself (``step.py``).

@@ -12,6 +12,7 @@ import asyncio
 import hmac
 import json
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,11 +22,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..core.context import MAX_TAGS_BYTES, ROLLOUT_HEADER, TAGS_HEADER
 from ..core.engine import (
+    CallRoute,
     Engine,
     EngineError,
     EngineRequestError,
     EngineTimeoutError,
     EngineUnavailableError,
+    current_route,
 )
 from ..core.errors import (
     AuthenticationError,
@@ -46,6 +49,7 @@ from .recorder import (
 from .request_body import parse_json_object, read_limited_body
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
+MAX_PINNED_ROLLOUTS = 65536  # rollouts whose policy version is remembered (oldest forgotten)
 
 
 def openai_error(status: int, message: str, *, param: str | None = None,
@@ -131,15 +135,50 @@ class ServedModel:
     store: ModelStore
     step: int = 0
     swap: _SwapLock = field(default_factory=_SwapLock)
+    resident: int = 1  # policy versions kept loaded (EngineConfig.resident_adapters)
+    versions: dict[int, Any] = field(default_factory=dict)  # resident step -> adapter path
+    pins: OrderedDict[str, int] = field(default_factory=OrderedDict)  # rollout -> its version
 
     async def swap_adapter(self, step: int, path: Any) -> None:
-        """Serve checkpoint ``step`` once calls in flight have finished (new calls wait)."""
-        async with self.swap:
-            await self.engine.load_adapter(self.name, path)
-            self.step = step
+        """Serve checkpoint ``step``. One resident version: swapped in place once calls in
+        flight have finished (new calls wait). Several: ``step`` is loaded beside the others as
+        ``name@step``; the oldest beyond ``resident`` is unloaded once no call uses it."""
+        if self.resident <= 1:
+            async with self.swap:
+                await self.engine.load_adapter(self.name, path)
+                self.step = step
+            return
+        await self.engine.load_adapter(self.lora_name(step), path)
+        self.versions[step] = path
+        self.step = max(self.step, step)
+        retired = sorted(self.versions)[:-self.resident]
+        if retired:
+            async with self.swap:
+                for old in retired:
+                    del self.versions[old]
+                    await self.engine.unload_adapter(self.lora_name(old))
 
-    def resolve(self, requested: str) -> tuple[str, int | None]:
-        """Engine model name and adapter step for a requested model name."""
+    def still_served(self, step: int | None, body: dict[str, Any], rollout_id: str | None,
+                     engine_body: dict[str, Any]) -> int | None:
+        """After waiting for a swap: if it retired the version this call was resolved to,
+        resolve again (``engine_body`` gets the new engine model name); the step to record."""
+        if step is None or self.resident <= 1 or self._resident(step) or "@" in body["model"]:
+            return step  # (an explicit NAME@STEP that was retired gets the engine's 404)
+        engine_body["model"], step = self.resolve(body["model"], rollout_id)
+        return step
+
+    def lora_name(self, step: int) -> str:
+        return self.name if self.resident <= 1 else f"{self.name}@{step}"
+
+    def _resident(self, step: int) -> bool:
+        if step == 0:
+            return self.step < self.resident  # the base model counts as version 0
+        return step == self.step if self.resident <= 1 else step in self.versions
+
+    def resolve(self, requested: str, rollout_id: str | None = None) -> tuple[str, int | None]:
+        """Engine model name and adapter step for a requested model name. With several
+        resident versions, a rollout stays on the version its first call got while that
+        version is resident (the call records which one served it)."""
         if requested == self.engine.spec.served_name and requested != self.name:
             return requested, None
         step = self.step
@@ -148,14 +187,25 @@ class ServedModel:
             if not raw.isdigit():
                 raise EngineRequestError(f"bad step in model name {requested!r}", status=404,
                                          param="model", code="model_not_found")
-            if int(raw) != self.step:
+            if not self._resident(int(raw)):
+                served = sorted(self.versions) if self.resident > 1 else [self.step]
                 raise EngineRequestError(
                     f"The model `{requested}` is not served: step {raw} is not the current step "
-                    f"({self.step}); use `{self.name}` or `{self.name}@{self.step}`",
+                    f"({self.step}) nor resident (steps served: {served}); use `{self.name}` or "
+                    f"`{self.name}@{self.step}`",
                     status=404, param="model", code="model_not_found")
+            step = int(raw)
+        elif self.resident > 1 and rollout_id is not None:
+            pinned = self.pins.get(rollout_id)
+            if pinned is not None and self._resident(pinned):
+                step = pinned
+            else:
+                self.pins[rollout_id] = step
+                while len(self.pins) > MAX_PINNED_ROLLOUTS:
+                    self.pins.popitem(last=False)
         if step == 0:
             return self.engine.spec.served_name, 0
-        return self.name, step
+        return self.lora_name(step), step
 
 
 class Gateway:
@@ -174,7 +224,8 @@ class Gateway:
     def add_model(self, served: ServedModel) -> None:
         self.models[served.name] = served
 
-    def _route(self, requested: Any) -> tuple[ServedModel, str, int | None]:
+    def _route(self, requested: Any, rollout_id: str | None = None
+               ) -> tuple[ServedModel, str, int | None]:
         if not isinstance(requested, str) or not requested:
             raise EngineRequestError("you must provide a model parameter", param="model")
         name = requested.partition("@")[0]
@@ -190,7 +241,7 @@ class Gateway:
             )
             raise EngineRequestError(f"The model `{requested}` does not exist. Served: {known}",
                                      status=404, param="model", code="model_not_found")
-        engine_model, step = served.resolve(requested)
+        engine_model, step = served.resolve(requested, rollout_id)
         return served, engine_model, step
 
     def _schedule_restart(self, engine: Engine) -> None:
@@ -281,21 +332,24 @@ class Gateway:
                 validate_name("rollout id", rollout_id)
             who = Attribution(rollout_id, parse_tags(request.headers.get(TAGS_HEADER)))
             self._check_body(endpoint, body)
-            served, engine_model, step = self._route(body.get("model"))
+            served, engine_model, step = self._route(body.get("model"), rollout_id)
         except (EngineRequestError, RequestError) as e:
             return error_response(e)
         except ConfigError as e:  # the rollout id
             return openai_error(e.status, str(e), param="rollout_id", code=e.code)
 
         engine_body = inject_training_fields(endpoint, {**body, "model": engine_model})
+        route = CallRoute(who.rollout_id)  # a replica set keeps the rollout on one server
+        current_route.set(route)
         timeout = served.engine.spec.config.request_timeout_s
         if body.get("stream"):
             if endpoint != "chat.completions":
                 return error_response(EngineRequestError(
                     "streaming is supported for chat completions only", param="stream"))
-            return await self._stream(served, engine_body, body, who, step, timeout)
+            return await self._stream(served, engine_body, body, who, step, timeout, route)
 
         await served.swap.acquire_read()
+        step = served.still_served(step, body, who.rollout_id, engine_body)
         started = time.perf_counter()
         try:
             call = (
@@ -316,12 +370,13 @@ class Gateway:
             await served.swap.release_read()
         response["model"] = body["model"]
         await self._record(served, endpoint, body, response, who, step,
-                           time.perf_counter() - started, streamed=False)
+                           time.perf_counter() - started, streamed=False, route=route)
         return JSONResponse(strip_for_caller(endpoint, body, response))
 
     async def _record(self, served: ServedModel, endpoint: str, body: dict[str, Any],
                       response: dict[str, Any] | None, who: Attribution, step: int | None,
-                      latency: float, streamed: bool, error: str | None = None) -> None:
+                      latency: float, streamed: bool, error: str | None = None,
+                      route: CallRoute | None = None) -> None:
         call = build_call(
             endpoint=endpoint,
             caller_body=body,
@@ -335,6 +390,8 @@ class Gateway:
         )
         if who.tags:
             call.metadata["tags"] = who.tags
+        if route is not None and route.replica is not None:
+            call.metadata["replica"] = route.replica
         # Serialising and fsyncing a record takes milliseconds: done in a worker thread, so that
         # hundreds of concurrent calls do not queue behind each other's disk writes. The caller
         # gets its answer only once the record is on disk; the write and the plugin hook happen
@@ -349,9 +406,11 @@ class Gateway:
         await asyncio.shield(written)
 
     async def _stream(self, served: ServedModel, engine_body: dict[str, Any], body: dict[str, Any],
-                      who: Attribution, step: int | None, timeout: float) -> Any:
+                      who: Attribution, step: int | None, timeout: float,
+                      route: CallRoute | None = None) -> Any:
         """Forward SSE chunks as they come while assembling the record."""
         await served.swap.acquire_read()
+        step = served.still_served(step, body, who.rollout_id, engine_body)
         started = time.perf_counter()
         stream = served.engine.chat_stream(engine_body)
         try:  # the first chunk is awaited here so that engine errors become proper statuses
@@ -400,6 +459,7 @@ class Gateway:
             finally:
                 await served.swap.release_read()
                 await self._record(served, "chat.completions", body, assembler.response(), who,
-                                   step, time.perf_counter() - started, streamed=True, error=error)
+                                   step, time.perf_counter() - started, streamed=True, error=error,
+                                   route=route)
 
         return StreamingResponse(events(), media_type="text/event-stream")

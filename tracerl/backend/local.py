@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..core.backend import Backend, InferenceEndpoint, LocalTrainResult, TrainEvent, TrainResult
-from ..core.config import TrainConfig, TrainSFTConfig
+from ..core.config import EngineConfig, TrainConfig, TrainSFTConfig
 from ..core.engine import Engine, EngineError, EngineSpec
 from ..core.errors import ConfigError, TrainingError
 from ..core.hookspecs import hookimpl
@@ -33,6 +33,8 @@ from ..core.trajectory import (
     read_groups_jsonl,
     write_groups_jsonl,
 )
+from .engines.replica_set import build_engine
+from .publishing import AdapterPublisher
 from .training.sft import sft_step
 from .training.step import train_step
 
@@ -41,6 +43,10 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+
+# EngineConfig fields saying where inference runs: the operator's to set (`tracerl serve`)
+PLACEMENT_FIELDS = ("replicas", "replicas_per_gpu", "gpus_per_replica", "replica_urls",
+                    "replica_failure", "publish_dir", "publish_mount")
 
 
 def choose_engine(requested: str) -> type[Engine]:
@@ -100,8 +106,10 @@ class _GatewayThread:
 class _ServingOnGateway:
     """A model's engine and route, driven from a training step (on the gateway's loop)."""
 
-    def __init__(self, gateway: _GatewayThread, route: Any, engine: Engine) -> None:
+    def __init__(self, gateway: _GatewayThread, route: Any, engine: Engine,
+                 publisher: AdapterPublisher | None = None) -> None:
         self.gateway, self.route, self.engine = gateway, route, engine
+        self.publisher = publisher
 
     async def sleep(self) -> None:
         await self.gateway.call(self.engine.sleep())
@@ -110,7 +118,16 @@ class _ServingOnGateway:
         await self.gateway.call(self.engine.wake_up())
 
     async def publish(self, step: int, adapter: Path) -> None:
-        await self.gateway.call(self.route.swap_adapter(step, adapter))
+        """Write ``policy@step`` to the publish location (if one is set), load it on every
+        server, then delete published versions no longer resident."""
+        if self.publisher is None:
+            await self.gateway.call(self.route.swap_adapter(step, adapter))
+            return
+        name = self.route.name
+        served = await asyncio.to_thread(self.publisher.publish, name, step, adapter)
+        await self.gateway.call(self.route.swap_adapter(step, served))
+        keep = set(self.route.versions) | {step}
+        await asyncio.to_thread(self.publisher.retire, name, keep)
 
 
 class LocalBackend(Backend):
@@ -125,7 +142,8 @@ class LocalBackend(Backend):
 
     def __init__(self, *, path: str | Path | None = None, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, engine: str | None = None,
-                 in_process: bool = False, heartbeat_s: float = 30.0) -> None:
+                 in_process: bool = False, heartbeat_s: float = 30.0,
+                 placement: dict[str, Any] | None = None) -> None:
         from .gateway import Gateway
 
         del in_process
@@ -136,6 +154,12 @@ class LocalBackend(Backend):
         self.host, self.port = host, port
         self.api_key = api_key
         self.engine_override = engine
+        if placement is not None:  # validated now, not at the first registration
+            unknown = set(placement) - set(PLACEMENT_FIELDS)
+            if unknown:
+                raise ConfigError(f"placement: unknown fields {sorted(unknown)}")
+            EngineConfig(**placement)
+        self.placement = placement
         self.heartbeat_s = heartbeat_s
         self.gateway = Gateway(api_key=api_key)
         self._thread: _GatewayThread | None = None
@@ -185,12 +209,34 @@ class LocalBackend(Backend):
                model.config.lora.model_dump_json())
         engine = self._engines.get(key)
         if engine is None:
-            cls = choose_engine(self.engine_override or model.config.engine.engine)
-            engine = cls(EngineSpec(model_path=model_path, served_name=model_path.name,
-                                    config=model.config.engine, lora=model.config.lora))
+            cls = None if model.config.engine.replica_urls else choose_engine(
+                self.engine_override or model.config.engine.engine)
+            engine = build_engine(cls, EngineSpec(
+                model_path=model_path, served_name=model_path.name, config=model.config.engine,
+                lora=model.config.lora))
             await self._gateway().call(engine.start())
             self._engines[key] = engine
         return engine
+
+    def _placed(self, model: ModelLike) -> ModelSpec:
+        """``model`` with this backend's placement (replicas, publish location) in place of its
+        own, when the backend has one (``tracerl serve``: clients do not choose servers)."""
+        model = spec_of(model)
+        if self.placement is None:
+            return model
+        engine = EngineConfig(**{**model.config.engine.model_dump(),
+                                 **{f: EngineConfig.model_fields[f].get_default(
+                                     call_default_factory=True) for f in PLACEMENT_FIELDS},
+                                 **self.placement})
+        return model.model_copy(update={"config": model.config.model_copy(
+            update={"engine": engine})})
+
+    @staticmethod
+    def _publisher(model: ModelSpec) -> AdapterPublisher | None:
+        """Where ``model``'s adapters are published for the servers (None: its checkpoints)."""
+        engine = model.config.engine
+        return AdapterPublisher(engine.publish_dir, engine.publish_mount) \
+            if engine.publish_dir else None
 
     def _policy(self, model: ModelSpec) -> Trainer:
         """The trained policy of ``model`` (loaded on first use, from its newest checkpoint)."""
@@ -214,7 +260,7 @@ class LocalBackend(Backend):
         from .gateway import ServedModel
         from .weights import resolve_base_model
 
-        model = spec_of(model)
+        model = self._placed(model)
         if not model.trainable and not model.base_model:
             # a comparison model served elsewhere (ART's `art.Model(inference_base_url=...)`):
             # registered for logging only; it keeps its own endpoint
@@ -232,7 +278,9 @@ class LocalBackend(Backend):
                               "served name")
         existing = self.gateway.models.get(model.name)
         if existing is None or existing.store.root != store.root:
-            self.gateway.add_model(ServedModel(name=model.name, engine=engine, store=store))
+            self.gateway.add_model(ServedModel(
+                name=model.name, engine=engine, store=store,
+                resident=model.config.engine.resident_adapters))
         route = self.gateway.models[model.name]
         step = store.latest_step()
         if step > 0 and route.step != step:
@@ -299,7 +347,7 @@ class LocalBackend(Backend):
                         ) -> AsyncIterator[TrainEvent]:
         """Run ``step_fn`` (GRPO's ``train_step`` or SFT's ``sft_step``) as the model's next
         step, one step of this backend at a time."""
-        model = spec_of(model)
+        model = self._placed(model)
         route = self.gateway.models.get(model.name)
         if route is None:
             raise TrainingError(f"model {model.key} is not registered with this backend")
@@ -311,7 +359,8 @@ class LocalBackend(Backend):
             async for event in step_fn(
                     step=store.latest_step() + 1, store=store,
                     load_policy=lambda: self._policy(model),
-                    serving=_ServingOnGateway(self._gateway(), route, route.engine),
+                    serving=_ServingOnGateway(self._gateway(), route, route.engine,
+                                              self._publisher(model)),
                     heartbeat_s=self.heartbeat_s):
                 yield event
 

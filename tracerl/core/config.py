@@ -108,6 +108,46 @@ class EngineConfig(_Strict):
         "runs on CUDA, off on CPU (vLLM has no sleep mode there)")
     gpu_memory_utilization: float | None = Field(
         None, gt=0, le=1, description="the share of GPU memory vLLM may take (vLLM's default: 0.9)")
+    replicas: int | None = Field(
+        None, ge=1, description="inference servers behind the gateway, spread over the visible "
+        "GPUs; None: 1, or with replicas_per_gpu / gpus_per_replica set, as many as the GPUs "
+        "allow")
+    replicas_per_gpu: int = Field(1, ge=1, le=16, description="servers sharing each GPU (small "
+                                  "models, where one vLLM API server is front-end bound)")
+    gpus_per_replica: int = Field(1, ge=1, description="GPUs of each server (tensor parallel, "
+                                  "for models that do not fit one GPU)")
+    replica_urls: list[str] = Field(
+        default_factory=list, description="existing vLLM servers to route to instead of "
+        "starting any (http://host:port, each with runtime LoRA updating enabled)")
+    replica_failure: Literal["restart", "drop"] = Field(
+        "restart", description="what happens to a replica that dies: restarted (and re-loaded "
+        "with the current adapters before it takes traffic again), or dropped from the set")
+    resident_adapters: int = Field(
+        1, ge=1, le=64, description="policy versions kept loaded (as name@step) so rollouts "
+        "finish on the version they started with; max_steps_off_policy + 1 for async training")
+    publish_dir: str | None = Field(
+        None, description="where each step's adapter is published as policy@N before the "
+        "servers load it: a directory every server can read (/dev/shm on one node, a shared "
+        "filesystem across nodes) or an fsspec URL (s3://..., with publish_mount); None: "
+        "servers load the checkpoint folder itself")
+    publish_mount: str | None = Field(
+        None, description="the path at which the servers see an fsspec publish_dir mounted")
+
+    @model_validator(mode="after")
+    def _check_replicas(self) -> EngineConfig:
+        if self.replica_urls and self.replicas not in (None, len(self.replica_urls)):
+            raise ConfigError("replicas and replica_urls disagree: give one of them")
+        if self.replicas_per_gpu > 1 and self.gpus_per_replica > 1:
+            raise ConfigError("replicas_per_gpu > 1 and gpus_per_replica > 1 exclude each other")
+        url_publish = self.publish_dir is not None and "://" in self.publish_dir \
+            and not self.publish_dir.startswith("file://")
+        if url_publish and not self.publish_mount:
+            raise ConfigError(f"publish_dir {self.publish_dir} is a URL: set publish_mount, the "
+                              "path at which the inference servers see it mounted")
+        for url in self.replica_urls:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"replica_urls: {url!r} is not an http(s) URL")
+        return self
 
 
 class ModelConfig(_Strict):

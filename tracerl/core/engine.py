@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -16,8 +17,20 @@ from typing import Any, ClassVar
 from .config import EngineConfig, LoraConfig
 from .errors import EngineError, EngineRequestError, EngineTimeoutError, EngineUnavailableError
 
-__all__ = ["Engine", "EngineError", "EngineRequestError", "EngineSpec", "EngineTimeoutError",
-           "EngineUnavailableError"]
+__all__ = ["CallRoute", "Engine", "EngineError", "EngineRequestError", "EngineSpec",
+           "EngineTimeoutError", "EngineUnavailableError", "current_route"]
+
+
+@dataclass
+class CallRoute:
+    """Where one gateway call went: the gateway sets ``rollout_id`` (routing engines keep a
+    rollout on one server), a routing engine fills in ``replica``, the gateway records it."""
+
+    rollout_id: str | None = None
+    replica: str | None = None
+
+
+current_route: ContextVar[CallRoute | None] = ContextVar("tracerl_call_route", default=None)
 
 
 @dataclass(frozen=True)
@@ -66,6 +79,9 @@ class Engine(ABC):
     @abstractmethod
     async def load_adapter(self, lora_name: str, path: Path) -> None:
         """Serve the LoRA adapter at ``path`` as ``lora_name``, replacing one of that name."""
+
+    async def unload_adapter(self, lora_name: str) -> None:  # noqa: B027 - optional capability
+        """Stop serving ``lora_name`` and free its memory (engines that cannot, keep it)."""
 
     @abstractmethod
     async def healthy(self) -> bool:

@@ -8,6 +8,7 @@ import logging
 import signal
 import threading
 from pathlib import Path
+from typing import Any
 
 from ..backend.local import LocalBackend
 from ..core.errors import ConfigError
@@ -31,11 +32,30 @@ def parse_base_models(items: list[str]) -> dict[str, str]:
     return out
 
 
+def placement_options(*, replicas: int | None = None, replica_urls: list[str] = (),
+                      replicas_per_gpu: int = 1, gpus_per_replica: int = 1,
+                      replica_failure: str = "restart", publish_dir: str | None = None,
+                      publish_mount: str | None = None) -> dict[str, Any]:
+    """The ``tracerl serve`` replica flags as placement fields (defaults left out)."""
+    given = {"replicas": replicas, "replica_urls": list(replica_urls) or None,
+             "replicas_per_gpu": replicas_per_gpu if replicas_per_gpu != 1 else None,
+             "gpus_per_replica": gpus_per_replica if gpus_per_replica != 1 else None,
+             "replica_failure": replica_failure if replica_failure != "restart" else None,
+             "publish_dir": publish_dir, "publish_mount": publish_mount}
+    return {k: v for k, v in given.items() if v is not None}
+
+
 def serve(*, host: str, port: int, path: str, api_key: str | None, engine: str | None = None,
           plugins: list[str] = (), base_models: dict[str, str] | None = None,
           max_upload_bytes: int = 256 * 1024 * 1024, max_queued: int = 4,
-          heartbeat_s: float = 5.0, allow_engine_args: bool = False) -> int:
-    """Serve until SIGTERM or Ctrl-C. Models registered earlier in ``path`` are served again."""
+          heartbeat_s: float = 5.0, allow_engine_args: bool = False,
+          placement: dict[str, Any] | None = None) -> int:
+    """Serve until SIGTERM or Ctrl-C. Models registered earlier in ``path`` are served again.
+
+    ``placement``: where inference runs for every model (the operator's choice, never a
+    client's): ``replicas``, ``replicas_per_gpu``, ``gpus_per_replica``, ``replica_urls``,
+    ``replica_failure``, ``publish_dir``, ``publish_mount`` of
+    :class:`~tracerl.core.config.EngineConfig`."""
     if not is_loopback(host) and not api_key:
         raise ConfigError(f"serving on {host} needs an API key (set TRACERL_API_KEY); "
                           "without one, only loopback (127.0.0.1) is allowed")
@@ -44,7 +64,8 @@ def serve(*, host: str, port: int, path: str, api_key: str | None, engine: str |
                     "so the API key and trajectories are encrypted", host)
     for module in plugins:
         register_plugin(importlib.import_module(module), name=module)
-    backend = LocalBackend(path=path, host=host, port=port, api_key=api_key, engine=engine)
+    backend = LocalBackend(path=path, host=host, port=port, api_key=api_key, engine=engine,
+                           placement=placement or {})
     control = ControlServer(backend, max_upload_bytes=max_upload_bytes, max_queued=max_queued,
                             heartbeat_s=heartbeat_s, base_models=base_models,
                             allow_engine_args=allow_engine_args)

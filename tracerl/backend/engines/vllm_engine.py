@@ -117,8 +117,13 @@ async def sse_events(stream: aiohttp.StreamReader) -> AsyncIterator[Any]:
 class VLLMEngine(Engine):
     name = "vllm"
 
-    def __init__(self, spec: EngineSpec) -> None:
+    def __init__(self, spec: EngineSpec, devices: tuple[int, ...] | None = None,
+                 cpus: tuple[int, ...] | None = None) -> None:
+        """``devices``: the GPUs this server may use (CUDA_VISIBLE_DEVICES; tensor parallel over
+        them when several), for one replica of a replica set; None: whatever it sees. ``cpus``:
+        the cores its CPU worker binds to (vLLM's CPU build; None: vLLM's own choice)."""
         super().__init__(spec)
+        self.devices, self.cpus = devices, cpus
         self.process: subprocess.Popen | None = None
         self.port: int | None = None
         self.client: aiohttp.ClientSession | None = None
@@ -148,13 +153,19 @@ class VLLMEngine(Engine):
             "--model", str(self.spec.model_path), "--served-model-name", self.spec.served_name,
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", dtype,
             "--max-model-len", str(cfg.max_model_len), "--max-num-seqs", str(cfg.max_num_seqs),
-            "--enable-lora", "--max-lora-rank", str(_lora_rank_slot(lora.r)), "--max-loras", "2",
+            "--enable-lora", "--max-lora-rank", str(_lora_rank_slot(lora.r)),
+            "--max-loras", str(max(2, cfg.resident_adapters + 1)),  # the next one loads first
             "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log",
         ]
         if self.sleeps:
             cmd += ["--enable-sleep-mode"]
-        if cfg.gpu_memory_utilization is not None:
-            cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+        if self.devices is not None and len(self.devices) > 1:
+            cmd += ["--tensor-parallel-size", str(len(self.devices))]
+        share = cfg.gpu_memory_utilization
+        if share is None and cfg.replicas_per_gpu > 1:  # several servers on one GPU split it
+            share = round(0.9 / cfg.replicas_per_gpu, 3)
+        if share is not None:
+            cmd += ["--gpu-memory-utilization", str(share)]
         if cfg.chat_template:
             cmd += ["--chat-template", str(chat_template_path(cfg.chat_template))]
         if cfg.tool_call_parser:
@@ -185,13 +196,14 @@ class VLLMEngine(Engine):
         if self.sleeps:
             env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes /sleep and /wake_up (loopback only)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        if self.devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in self.devices)
+        if self.cpus is not None and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in self.cpus)
         env.pop("PYTHONPATH", None)  # the vLLM venv brings its own packages
         self.process = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
                                         env=env, start_new_session=True)
-        self.client = aiohttp.ClientSession(
-            base_url=self.base_url, connector=engine_connector(self.spec.config.max_num_seqs),
-            timeout=aiohttp.ClientTimeout(total=None, connect=5,
-                                          sock_read=self.spec.config.request_timeout_s))
+        self.connect()
         loop = asyncio.get_running_loop()
         timeout_s = startup_timeout_s()
         deadline = loop.time() + timeout_s
@@ -211,6 +223,13 @@ class VLLMEngine(Engine):
         for name, path in list(self._adapters.items()):
             await self.load_adapter(name, path)
         self._ready = True
+
+    def connect(self) -> None:
+        """Open the connection pool towards the server at :attr:`base_url`."""
+        self.client = aiohttp.ClientSession(
+            base_url=self.base_url, connector=engine_connector(self.spec.config.max_num_seqs),
+            timeout=aiohttp.ClientTimeout(total=None, connect=5,
+                                          sock_read=self.spec.config.request_timeout_s))
 
     async def stop(self) -> None:
         self._ready = False
@@ -239,6 +258,12 @@ class VLLMEngine(Engine):
         if r.status_code != 200:
             raise EngineError(f"vLLM refused adapter {lora_name!r} from {path}: {r.text}")
         self._adapters[lora_name] = Path(path)
+
+    async def unload_adapter(self, lora_name: str) -> None:
+        r = await self._post("/v1/unload_lora_adapter", {"lora_name": lora_name})
+        if r.status_code != 200:
+            raise EngineError(f"vLLM refused to unload adapter {lora_name!r}: {r.text}")
+        self._adapters.pop(lora_name, None)
 
     async def sleep(self) -> None:
         if self.sleeps:

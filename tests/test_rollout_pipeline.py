@@ -1,0 +1,151 @@
+"""The async off-policy pipeline on the real transformers engine and trainer (SmolLM2): the
+staleness bound holds for every trained call, a group past it is dropped, and with a bound of
+0 the pipeline trains exactly what the synchronous loop trains."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import tracerl
+from tracerl.backend.publishing import AdapterPublisher
+from tracerl.core.trajectory import read_groups_jsonl
+
+from .conftest import until
+
+FAST = tracerl.TrainConfig(learning_rate=1e-3, seed=0)
+
+
+def scripted_group(scenario: int) -> tracerl.TrajectoryGroup:
+    """A fixed group for ``scenario``: two answers, one rewarded (no sampling involved)."""
+    return tracerl.TrajectoryGroup([
+        tracerl.Trajectory(reward=float(i == scenario % 2), messages_and_choices=[
+            {"role": "user", "content": f"Is {scenario} even?"},
+            {"index": 0, "finish_reason": "stop",
+             "message": {"role": "assistant", "content": answer}}])
+        for i, answer in enumerate(("yes", "no"))])
+
+
+async def scripted_rollout(model, scenario: int, config) -> tracerl.TrajectoryGroup:
+    return scripted_group(scenario)
+
+
+async def new_model(backend, name: str, **engine) -> tracerl.TrainableModel:
+    model = tracerl.TrainableModel(
+        name=name, project="pipeline", base_model="smollm2", config=tracerl.ModelConfig(
+            engine=tracerl.EngineConfig(max_model_len=256, **engine)))
+    await model.register(backend)
+    return model
+
+
+def adapter(backend, model, step: int) -> dict[str, torch.Tensor]:
+    path = backend.store(model).checkpoint_dir(step) / "adapter_model.safetensors"
+    return load_file(str(path))
+
+
+async def test_with_a_bound_of_0_async_and_sync_train_the_same_update(tf_backend):
+    backend, _ = tf_backend
+    sync, pipelined = await new_model(backend, "sync0"), await new_model(backend, "async0")
+    torch.manual_seed(0)  # the same LoRA initialisation for both policies
+    for step in range(2):
+        await sync.train([scripted_group(2 * step), scripted_group(2 * step + 1)], FAST)
+    torch.manual_seed(0)
+    trainer = tracerl.PipelineTrainer(
+        pipelined, backend, scripted_rollout, range(4), config=None, groups_per_step=2,
+        max_steps_off_policy=0, train_config=FAST, eval_at_start=False)
+    trained = await trainer.train()
+    assert [t.step for t in trained] == [1, 2]
+    assert [t.steps_off_policy for t in trained] == [[0, 0], [0, 0]]
+    a, b = adapter(backend, sync, 2), adapter(backend, pipelined, 2)
+    assert a.keys() == b.keys()
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
+    assert max(a[k].abs().max().item() for k in a if "lora_B" in k) > 0  # it did train
+
+
+async def test_a_group_past_the_bound_is_dropped_not_trained(tf_backend):
+    backend, _ = tf_backend
+    model = await new_model(backend, "drop1")
+
+    async def rollout(model, scenario: int, config) -> tracerl.TrajectoryGroup:
+        if scenario == 0:  # a slow rollout: it ends only after two steps have been trained
+            await wait_for_step(model, 2)
+        return scripted_group(scenario)
+
+    pipeline = tracerl.RolloutPipeline(model, rollout, range(4), groups_per_step=1,
+                                       max_steps_off_policy=1, train_config=FAST)
+    trained = [t async for t in pipeline.steps(max_steps=3)]
+    assert [t.step for t in trained] == [1, 2, 3]
+    assert [t.dropped_stale for t in trained] == [0, 0, 1]
+    assert all(lag <= 1 for t in trained for lag in t.steps_off_policy)
+    prompts = [g.trajectories[0].messages_and_choices[0]["content"]
+               for t in trained for g in t.groups]
+    assert "Is 0 even?" not in prompts
+
+
+async def wait_for_step(model, step: int) -> None:
+    async def reached() -> bool:
+        return await model.get_step() >= step
+
+    await until(reached, f"step {step} trained", 300, 0.05)
+
+
+async def test_the_staleness_bound_holds_for_every_trained_call(tf_backend, tmp_path):
+    """Real sampled two-turn rollouts while the trainer trains; two versions resident, each
+    published to a directory first and served from there."""
+    backend, _ = tf_backend
+    published = tmp_path / "shm"
+    model = await new_model(backend, "stale1", resident_adapters=2, publish_dir=str(published))
+
+    async def one(scenario: int, reward: float) -> tracerl.Trajectory:
+        client = model.openai_client()
+        messages = [{"role": "user", "content": f"Count to {scenario}."}]
+        choices: list = []
+        for _ in range(2):
+            r = await client.chat.completions.create(
+                model=model.name, messages=messages, max_tokens=4, temperature=1.0)
+            choices.append(r.choices[0])
+            messages = [*messages, r.choices[0].message.model_dump(exclude_none=True),
+                        {"role": "user", "content": "Go on."}]
+        return tracerl.Trajectory(reward=reward, messages_and_choices=[*messages[:1], choices[0]])
+
+    async def rollout(model, scenario: int, config) -> tracerl.TrajectoryGroup:
+        return await tracerl.TrajectoryGroup([one(scenario, 0.0), one(scenario, 1.0)])
+
+    bound = 1
+    pipeline = tracerl.RolloutPipeline(model, rollout, range(8), groups_per_step=2,
+                                       max_steps_off_policy=bound, train_config=FAST)
+    trained = [t async for t in pipeline.steps(max_steps=3)]
+    assert [t.step for t in trained] == [1, 2, 3]
+    # groups admitted at the start beside the first step's were sampled by version 0 and
+    # trained later: off-policy, within the bound
+    assert max(lag for t in trained for lag in t.steps_off_policy) == 1
+    store = backend.store(model)
+    for t in trained:
+        saved = read_groups_jsonl(store.trajectories_path("train", t.step))
+        calls = [c for g in saved for tr in g.trajectories for c in tr.llm_calls]
+        assert len(calls) == 8  # 2 groups x 2 rollouts x 2 turns
+        policy = t.step - 1  # the version the step trained from
+        assert all(policy - c.adapter_step <= bound for c in calls), \
+            [(t.step, c.adapter_step) for c in calls]
+        by_rollout: dict[str, set[int]] = {}
+        for c in calls:  # two versions resident: a rollout stays on its version
+            by_rollout.setdefault(c.rollout_id, set()).add(c.adapter_step)
+        assert all(len(v) == 1 for v in by_rollout.values())
+    assert AdapterPublisher(str(published)).published("stale1") == [2, 3]  # older ones retired
+    route = backend.gateway.models["stale1"]
+    assert route.versions == {s: published / "stale1" / f"policy@{s}" for s in (2, 3)}
+
+
+async def test_a_failing_rollout_fails_the_pipeline_with_its_error(tf_backend):
+    backend, _ = tf_backend
+    model = await new_model(backend, "fail1")
+
+    async def rollout(model, scenario: int, config) -> tracerl.TrajectoryGroup:
+        raise RuntimeError(f"scenario {scenario} broke")
+
+    pipeline = tracerl.RolloutPipeline(model, rollout, range(2), groups_per_step=1)
+    with pytest.raises(RuntimeError, match="scenario 0 broke"):
+        await asyncio.wait_for(anext(pipeline.steps()), 60)
