@@ -273,11 +273,17 @@ async def test_art_style_init_chat_model_takes_its_model_from_wrap_rollout(agent
     assert [call.model for call in traj.llm_calls] == [agent_model.name] * 2
 
 
-def test_art_style_init_chat_model_outside_wrap_rollout_needs_a_model():
+async def test_art_style_init_chat_model_outside_wrap_rollout_binds_inside_one(agent_model):
     from tracerl import langgraph as art_langgraph
 
-    with pytest.raises(TypeError, match="wrap_rollout"):
-        art_langgraph.init_chat_model(temperature=0)
+    llm = art_langgraph.init_chat_model(temperature=0, max_tokens=2)  # no model yet: lazy
+    traj = await art_langgraph.wrap_rollout(agent_model, lambda: _say(llm))()
+    assert [call.model for call in traj.llm_calls] == [agent_model.name]
+
+
+async def _say(llm) -> float:
+    await llm.ainvoke("Say yes")
+    return 1.0
 
 
 # a module-level chat model, as LangChain's docs write it: bound to the rollout's model per call
