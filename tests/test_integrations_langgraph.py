@@ -273,8 +273,82 @@ async def test_art_style_init_chat_model_takes_its_model_from_wrap_rollout(agent
     assert [call.model for call in traj.llm_calls] == [agent_model.name] * 2
 
 
-def test_art_style_init_chat_model_outside_wrap_rollout_needs_a_model():
+async def test_art_style_init_chat_model_outside_wrap_rollout_binds_inside_one(agent_model):
     from tracerl import langgraph as art_langgraph
 
-    with pytest.raises(TypeError, match="wrap_rollout"):
-        art_langgraph.init_chat_model(temperature=0)
+    llm = art_langgraph.init_chat_model(temperature=0, max_tokens=2)  # no model yet: lazy
+    traj = await art_langgraph.wrap_rollout(agent_model, lambda: _say(llm))()
+    assert [call.model for call in traj.llm_calls] == [agent_model.name]
+
+
+async def _say(llm) -> float:
+    await llm.ainvoke("Say yes")
+    return 1.0
+
+
+# a module-level chat model, as LangChain's docs write it: bound to the rollout's model per call
+LAZY_LLM = init_chat_model("openai:gpt-4o", temperature=0, max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+async def checkpointed_group(agent_model):
+    """Two rollouts of one StateGraph with a checkpointer and one fixed config, chat model
+    made at import time (before any tracerl model existed)."""
+    from langgraph.checkpoint.memory import InMemorySaver
+
+    async def call(state: MessagesState) -> dict:
+        return {"messages": [await LAZY_LLM.ainvoke(state["messages"])]}
+
+    builder = StateGraph(MessagesState)
+    builder.add_node("call", call)
+    builder.add_edge(START, "call")
+    builder.add_edge("call", END)
+    graph = builder.compile(checkpointer=InMemorySaver())
+    rollout = graph_rollout(graph, lambda i, s: 0.0, model=agent_model,
+                            config={"tags": ["lazy"]})
+    (group,) = await tracerl.gather_trajectory_groups(
+        [tracerl.TrajectoryGroup(rollout({"messages": [("user", f"Say {w}")]})
+                                 for w in ("yes", "no"))], show_progress=False)
+    return graph, group
+
+
+async def test_a_module_level_init_chat_model_binds_to_the_rollouts_model(checkpointed_group):
+    _, group = checkpointed_group
+    assert group.exceptions == []
+    for traj in group.trajectories:
+        (call,) = traj.llm_calls
+        assert call.request["model"] != "gpt-4o"  # served by the tracerl model, not the name
+
+
+async def test_each_checkpointed_rollout_gets_its_own_thread(checkpointed_group):
+    graph, group = checkpointed_group
+    for traj, word in zip(group.trajectories, ("yes", "no"), strict=True):
+        state = await graph.aget_state({"configurable": {"thread_id": traj.rollout_id}})
+        humans = [m.content for m in state.values["messages"] if m.type == "human"]
+        assert humans == [f"Say {word}"]  # only its own conversation, never the other's
+
+
+async def test_a_lazy_chat_model_called_outside_a_rollout_says_how_to_bind_it():
+    with pytest.raises(RuntimeError, match="graph_rollout\\(graph, reward, model=model\\)"):
+        await LAZY_LLM.ainvoke("hi")
+
+
+def test_a_fixed_thread_id_is_kept_apart_per_rollout(agent_model):
+    from langgraph.checkpoint.memory import InMemorySaver
+
+    from tracerl.integrations.langchain import rollout_config
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("n", lambda s: {})
+    graph.add_edge(START, "n")
+    compiled = graph.compile(checkpointer=InMemorySaver())
+    fixed = {"configurable": {"thread_id": "t"}}
+    with tracerl.rollout_scope() as a:
+        first = rollout_config(compiled, fixed, None)
+    with tracerl.rollout_scope() as b:
+        second = rollout_config(compiled, fixed, None)
+        per_input = rollout_config(compiled, lambda i: {"configurable": {"thread_id": i}}, "x")
+    assert first["configurable"]["thread_id"] == f"t/{a.rollout_id}"
+    assert second["configurable"]["thread_id"] == f"t/{b.rollout_id}"
+    assert per_input["configurable"]["thread_id"] == "x"  # a per-rollout config is the user's
+    assert fixed == {"configurable": {"thread_id": "t"}}  # the given config is not changed

@@ -105,6 +105,26 @@ async def test_sdk_failure_is_a_failed_span(tf_backend, logger):
     assert "no-such-model" in ro.spans[0].error
 
 
+async def test_the_logger_opens_no_span_outside_rollouts(tf_backend, logger):
+    from litellm.integrations.custom_logger import CustomLogger
+
+    _, model = tf_backend
+    reported = asyncio.Event()
+
+    class Probe(CustomLogger):  # reports after the tracerl logger (callbacks run in order)
+        async def async_log_success_event(self, kwargs, response_obj, start_time, end_time):
+            reported.set()
+
+    litellm.callbacks = [logger, Probe()]
+    try:
+        await litellm.acompletion(messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                  **completion_kwargs(model))
+        await asyncio.wait_for(reported.wait(), 60)
+    finally:
+        litellm.callbacks = [logger]
+    assert logger.recorder.orphans == [] and logger.recorder._open == {}
+
+
 @pytest.fixture(scope="module")
 def proxy(tf_backend, agent_model, tmp_path_factory):
     if not LITELLM_PYTHON:
@@ -130,10 +150,24 @@ def test_the_proxy_config_routes_the_model_to_the_gateway(proxy, tf_backend):
             for m in config["model_list"]] == [("agent", "hosted_vllm/agent", backend.base_url)]
 
 
-def test_the_master_key_is_not_written_to_the_proxys_folder(proxy):
+def test_the_master_key_is_kept_only_in_its_own_owner_only_file(proxy):
+    key_file = Path(proxy.directory) / "master_key"
+    assert key_file.read_text().strip() == proxy.master_key
+    assert key_file.stat().st_mode & 0o777 == 0o600
     texts = [p.read_text(errors="replace") for p in Path(proxy.directory).rglob("*")
-             if p.is_file()]
+             if p.is_file() and p != key_file]
     assert texts and not any(proxy.master_key in t for t in texts)
+
+
+def test_a_restarted_proxy_keeps_its_master_key_and_a_given_one_is_not_written(tmp_path):
+    first = LiteLLMProxy(upstream_base_url="http://127.0.0.1:1/v1", model_names=["m"],
+                         directory=tmp_path / "run")
+    again = LiteLLMProxy(upstream_base_url="http://127.0.0.1:1/v1", model_names=["m"],
+                         directory=tmp_path / "run")
+    assert first._persisted_master_key() == again._persisted_master_key()
+    given = LiteLLMProxy(upstream_base_url="http://127.0.0.1:1/v1", model_names=["m"],
+                         directory=tmp_path / "given", master_key="sk-given")
+    assert given.master_key == "sk-given" and not (tmp_path / "given").exists()
 
 
 # LiteLLM without a database cannot look up any key but the master key: it refuses the rest
@@ -228,3 +262,14 @@ async def test_proxy_records_have_a_logprob_per_token(proxy_runs):
     for *_, calls in proxy_runs.values():
         for c in calls:
             assert len(c.completions[0].token_ids) == len(c.completions[0].logprobs) > 0
+
+
+async def test_a_client_that_cannot_set_headers_names_its_rollout_in_metadata(proxy, agent_model):
+    async with httpx2.AsyncClient(base_url=proxy.base_url, timeout=120,
+                                 headers={"Authorization": f"Bearer {proxy.master_key}"}) as client:
+        r = await client.post("/chat/completions", json={
+            "model": "agent", "max_tokens": 2, "metadata": {"rollout_id": "ro-proxy-metadata"},
+            "messages": [{"role": "user", "content": "hi"}]})
+    r.raise_for_status()
+    (call,) = await agent_model.fetch_calls("ro-proxy-metadata")
+    assert call.request["messages"] == [{"role": "user", "content": "hi"}]

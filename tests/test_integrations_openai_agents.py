@@ -22,7 +22,12 @@ from examples.calculator_task import (
 )
 from tests.conftest import render_ids
 from tracerl.backend.chat_template import apply_chat_template_override
-from tracerl.integrations.openai_agents import TracerlModelProvider
+from tracerl.integrations.openai_agents import (
+    BYPASS_FIX,
+    TracerlModelProvider,
+    TracerlTracingProcessor,
+    install_tracing,
+)
 
 SETTINGS = ModelSettings(temperature=0, max_tokens=60)
 
@@ -213,3 +218,53 @@ def test_other_model_names_are_refused_clearly(agent_model):
 def test_a_step_of_the_model_can_be_named(agent_model):
     provider = TracerlModelProvider(agent_model, tracing=False)
     assert provider.get_model("agent@3").inner.model == "agent@3"
+
+
+async def test_per_rollout_providers_share_one_processor_and_close_every_span(agent_model):
+    agent = Agent(name="echo", instructions="Answer briefly.",
+                  model_settings=ModelSettings(temperature=0, max_tokens=4))
+
+    async def rollout(word: str) -> tracerl.Trajectory:
+        provider = TracerlModelProvider(agent_model)  # made per rollout, as users do
+        await Runner.run(agent, f"Say {word}", run_config=RunConfig(model_provider=provider))
+        return tracerl.Trajectory(reward=0.0)
+
+    (group,) = await tracerl.gather_trajectory_groups(
+        [tracerl.TrajectoryGroup(rollout(w) for w in ("yes", "no"))], show_progress=False)
+    assert TracerlModelProvider(agent_model).processor is install_tracing()
+    for traj in group.trajectories:
+        assert traj.spans and all(s.end_time is not None for s in traj.spans)
+
+
+async def test_an_agent_holding_its_own_model_instance_is_warned_about(agent_model, caplog):
+    import openai
+    from agents import OpenAIChatCompletionsModel
+
+    base_url, api_key = agent_model.endpoint()
+    own = OpenAIChatCompletionsModel(  # bypasses the provider: a plain client of its own
+        model=agent_model.get_inference_name(),
+        openai_client=openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0))
+    agent = Agent(name="own", instructions="Answer briefly.", model=own,
+                  model_settings=ModelSettings(temperature=0, max_tokens=4))
+    provider = TracerlModelProvider(agent_model)
+    before = provider.processor.bypassed_calls
+    with tracerl.rollout_scope(), caplog.at_level("WARNING"):
+        await Runner.run(agent, "Say yes", run_config=RunConfig(model_provider=provider))
+    assert provider.processor.bypassed_calls == before + 1
+    assert "bypassed TracerlModelProvider" in caplog.text and BYPASS_FIX in caplog.text
+
+
+async def test_adding_tracerls_processor_beside_the_default_turns_the_upload_off():
+    from agents.tracing import add_trace_processor, get_trace_provider, set_trace_processors, trace
+    from agents.tracing.processors import default_processor
+
+    processor = TracerlTracingProcessor()
+    set_trace_processors([default_processor()])  # the SDK's own setup: upload to OpenAI
+    add_trace_processor(processor)
+    try:
+        with trace("check"):
+            pass
+        processors = get_trace_provider()._multi_processor._processors
+        assert default_processor() not in processors and processor in processors
+    finally:
+        install_tracing()

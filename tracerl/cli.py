@@ -119,20 +119,24 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_proxy(args: argparse.Namespace) -> int:
+    import os
     import time
+    from pathlib import Path
 
     from .integrations.litellm_proxy import LiteLLMProxy
 
     proxy = LiteLLMProxy(upstream_base_url=args.backend_url, model_names=args.model,
                          upstream_api_key=args.api_key, host=args.host, port=args.port,
-                         python=args.litellm_python)
+                         python=args.litellm_python, directory=Path(args.dir),
+                         master_key=args.master_key or os.environ.get("LITELLM_MASTER_KEY"))
     if not is_loopback(args.host):
         logging.getLogger(__name__).warning(
             "the proxy listens on %s; anyone who can reach it and holds the master key can use "
             "the model", args.host)
     with proxy:
         print(f"LiteLLM proxy: {proxy.base_url}\nmaster key:    {proxy.master_key}\n"
-              f"send header x-rollout-id: <rollout id> with each request; Ctrl-C stops", flush=True)
+              f"name the rollout with header x-rollout-id: <id>, or body metadata "
+              f'{{"rollout_id": "<id>"}}; Ctrl-C stops', flush=True)
         try:
             while proxy.process is not None and proxy.process.poll() is None:
                 time.sleep(1)
@@ -277,6 +281,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=4000)
     p.add_argument("--litellm-python", default=None, help="python of a venv with LiteLLM's proxy")
+    p.add_argument("--dir", default=".tracerl/proxy",
+                   help="run folder: config, log and the persisted master key")
+    p.add_argument("--master-key", default=None,
+                   help="proxy master key (default: $LITELLM_MASTER_KEY, else the one kept in "
+                        "--dir/master_key, made on first start)")
     p.set_defaults(func=_cmd_proxy)
     return parser
 

@@ -10,10 +10,14 @@
   be passed explicitly: ``config={"callbacks": [TracerlCallbackHandler()]}``.
 - :func:`wrap_rollout` (ART-style) and :func:`graph_rollout` (an existing compiled graph plus
   a reward function) turn agent code into rollouts that return trajectories.
+- ``init_chat_model("openai:...")`` at module level (no tracerl model yet) gives a
+  :class:`LazyChatModel` that binds to the rollout's model when it is called, so agent code
+  written for LangChain's own ``init_chat_model`` works with only the import changed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import inspect
 import threading
@@ -22,10 +26,12 @@ from typing import Any
 from uuid import UUID
 
 from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import BaseMessage, convert_to_openai_messages
 from langchain_core.tracers.context import register_configure_hook
+from pydantic import Field, PrivateAttr
 
-from ..core.context import RolloutContext
+from ..core.context import RolloutContext, current_rollout
 from ..core.hookspecs import hookimpl
 from ..core.plugins import get_plugin_manager
 from ..core.plugins import register as register_plugin
@@ -191,23 +197,8 @@ _WRAPPED_MODEL: contextvars.ContextVar[Any] = contextvars.ContextVar(
 )
 
 
-def init_chat_model(model: Any = None, **kwargs: Any) -> Any:
-    """A ``langchain_openai.ChatOpenAI`` served by ``model``'s backend (register it first).
-
-    Calls are attributed to the current rollout when they are sent, so one chat model (and
-    one compiled graph using it) can serve any number of concurrent rollouts. Extra keyword
-    arguments go to ``ChatOpenAI`` (temperature, max_tokens, ...). As in ART, inside
-    :func:`wrap_rollout` ``model`` may be left out or be a name: the wrapped model serves it.
-    """
+def _chat_openai(model: Any, **kwargs: Any) -> Any:
     from langchain_openai import ChatOpenAI
-
-    install()
-    if model is None or isinstance(model, str):
-        wrapped = _WRAPPED_MODEL.get()
-        if wrapped is None:
-            raise TypeError("init_chat_model() needs a tracerl model, or must run inside "
-                            "wrap_rollout(model, fn), which supplies it")
-        model = wrapped
 
     base_url, api_key = model.endpoint()
     kwargs.setdefault("max_retries", 0)  # a retry would record the call twice
@@ -219,6 +210,82 @@ def init_chat_model(model: Any = None, **kwargs: Any) -> Any:
         http_async_client=async_http_client(model),
         **kwargs,
     )
+
+
+def init_chat_model(model: Any = None, **kwargs: Any) -> Any:
+    """A ``langchain_openai.ChatOpenAI`` served by ``model``'s backend (register it first).
+
+    Calls are attributed to the current rollout when they are sent, so one chat model (and
+    one compiled graph using it) can serve any number of concurrent rollouts. Extra keyword
+    arguments go to ``ChatOpenAI`` (temperature, max_tokens, ...). As in ART, inside
+    :func:`wrap_rollout` ``model`` may be left out or be a name: the wrapped model serves it.
+    Outside one (a module-level ``init_chat_model("openai:gpt-4o")``) it returns a
+    :class:`LazyChatModel`, which binds to the rollout's model at each call.
+    """
+    install()
+    if model is None or isinstance(model, str):
+        wrapped = _WRAPPED_MODEL.get()
+        if wrapped is None:
+            kwargs.pop("model_provider", None)  # LangChain's init_chat_model argument
+            return LazyChatModel(requested=model, chat_kwargs=kwargs)
+        model = wrapped
+    return _chat_openai(model, **kwargs)
+
+
+class LazyChatModel(BaseChatModel):
+    """A chat model made before any tracerl model exists; each call is served by the model of
+    the rollout that makes it (``wrap_rollout(model, ...)`` or ``graph_rollout(...,
+    model=model)``). ``bind_tools`` and ``with_structured_output`` work as on ``ChatOpenAI``."""
+
+    requested: str | None = None
+    chat_kwargs: dict[str, Any] = Field(default_factory=dict)
+    _bound: dict[tuple[int, int], Any] = PrivateAttr(default_factory=dict)
+
+    @property
+    def _llm_type(self) -> str:
+        return "tracerl-lazy"
+
+    def _served(self) -> Any:
+        model = _WRAPPED_MODEL.get()
+        if model is None:
+            raise RuntimeError(
+                f"init_chat_model({self.requested!r}) was made outside a rollout and is called "
+                "outside one too: call it inside wrap_rollout(model, fn) or "
+                "graph_rollout(graph, reward, model=model), which say which model serves it")
+        try:
+            loop = id(asyncio.get_running_loop())  # async http clients belong to one loop
+        except RuntimeError:
+            loop = 0
+        key = (id(model), loop)
+        if key not in self._bound:
+            self._bound[key] = _chat_openai(model, **self.chat_kwargs)
+        return self._bound[key]
+
+    def bind_tools(self, tools: Any, **kwargs: Any) -> Any:
+        from langchain_openai import ChatOpenAI
+
+        # ChatOpenAI formats tools and tool_choice; the call itself is bound later
+        shaped = ChatOpenAI(model="unbound", api_key="unbound").bind_tools(tools, **kwargs)
+        return self.bind(**shaped.kwargs)
+
+    def _generate(self, messages: Any, stop: Any = None, run_manager: Any = None,
+                  **kwargs: Any) -> Any:
+        return self._served()._generate(messages, stop=stop, run_manager=run_manager, **kwargs)
+
+    async def _agenerate(self, messages: Any, stop: Any = None, run_manager: Any = None,
+                         **kwargs: Any) -> Any:
+        return await self._served()._agenerate(messages, stop=stop, run_manager=run_manager,
+                                               **kwargs)
+
+    def _stream(self, messages: Any, stop: Any = None, run_manager: Any = None,
+                **kwargs: Any) -> Any:
+        yield from self._served()._stream(messages, stop=stop, run_manager=run_manager, **kwargs)
+
+    async def _astream(self, messages: Any, stop: Any = None, run_manager: Any = None,
+                       **kwargs: Any) -> Any:
+        async for chunk in self._served()._astream(messages, stop=stop, run_manager=run_manager,
+                                                   **kwargs):
+            yield chunk
 
 
 RewardFn = Callable[..., float | tuple[float, dict[str, float]] | Awaitable[Any]]
@@ -253,19 +320,49 @@ def wrap_rollout(
     return rollout
 
 
-def graph_rollout(graph: Any, reward: RewardFn, *, config: dict[str, Any] | None = None
-                  ) -> Callable[[Any], Awaitable[Trajectory]]:
+GraphConfig = dict[str, Any] | Callable[[Any], dict[str, Any]]
+
+
+def rollout_config(graph: Any, config: GraphConfig | None, graph_input: Any) -> dict[str, Any]:
+    """The config of one rollout's graph run: ``config`` (or ``config(graph_input)``), with
+    ``configurable.thread_id`` set to the rollout id when the graph has a checkpointer and the
+    config names no thread, so concurrent rollouts never share a conversation."""
+    made = config(graph_input) if callable(config) else config
+    made = {**(made or {})}
+    configurable = {**(made.get("configurable") or {})}
+    rollout = current_rollout()
+    if getattr(graph, "checkpointer", None) not in (None, False) and rollout is not None:
+        if "thread_id" not in configurable:
+            configurable["thread_id"] = rollout.rollout_id
+        elif not callable(config):  # one fixed thread for every rollout: keep them apart
+            configurable["thread_id"] = f"{configurable['thread_id']}/{rollout.rollout_id}"
+    if configurable:
+        made["configurable"] = configurable
+    return made
+
+
+def graph_rollout(graph: Any, reward: RewardFn, *, config: GraphConfig | None = None,
+                  model: Any = None) -> Callable[[Any], Awaitable[Trajectory]]:
     """Use an existing compiled graph as a rollout: ``await rollout(graph_input)``.
 
     The graph runs unchanged (its chat model should come from :func:`init_chat_model`); then
     ``reward(graph_input, final_state)`` (sync or async) returns a number or
     ``(number, metrics)``. The trajectory's messages are the final state's ``messages``.
+    ``config`` is the graph's run config, or a function of the input that returns one per
+    rollout (see :func:`rollout_config` for ``thread_id``). ``model`` serves chat models made
+    by a module-level ``init_chat_model("openai:...")``.
     """
     install()
 
     async def rollout(graph_input: Any) -> Trajectory:
         async def run() -> Trajectory:
-            state = await graph.ainvoke(graph_input, config=config)
+            token = _WRAPPED_MODEL.set(model) if model is not None else None
+            try:
+                state = await graph.ainvoke(graph_input,
+                                            config=rollout_config(graph, config, graph_input))
+            finally:
+                if token is not None:
+                    _WRAPPED_MODEL.reset(token)
             scored = reward(graph_input, state)
             if inspect.isawaitable(scored):
                 scored = await scored

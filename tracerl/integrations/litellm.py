@@ -21,7 +21,7 @@ from typing import Any
 
 from litellm.integrations.custom_logger import CustomLogger
 
-from ..core.context import TAGS_HEADER, current_call_tags
+from ..core.context import TAGS_HEADER, current_call_tags, current_rollout
 from .span_recorder import SpanRecorder
 
 SPAN_KEY = "tracerl_span_id"
@@ -51,7 +51,8 @@ class TracerlLiteLLMLogger(CustomLogger):
     """Records each LiteLLM call as an ``llm`` span of the rollout it ran in.
 
     The span opens in ``log_pre_api_call`` (synchronously, inside the rollout), so it is part
-    of the trajectory even though LiteLLM reports success from a background task.
+    of the trajectory even though LiteLLM reports success from a background task. Calls made
+    outside rollouts open no span at all.
     """
 
     def __init__(self) -> None:
@@ -63,6 +64,8 @@ class TracerlLiteLLMLogger(CustomLogger):
         span_id = _span_id(kwargs)
         if span_id in self._ended or self.recorder.get(span_id) is not None:
             return  # LiteLLM calls this again on some error paths
+        if current_rollout() is None:
+            return  # not a rollout's call: nothing to record it in
         self.recorder.start(
             span_id, "llm", model or "litellm", litellm_call_id=kwargs.get("litellm_call_id")
         )
@@ -73,6 +76,8 @@ class TracerlLiteLLMLogger(CustomLogger):
         if span_id in self._ended:
             return
         if self.recorder.get(span_id) is None:  # no pre-call event (e.g. a cache hit)
+            if current_rollout() is None:
+                return
             self.recorder.start(span_id, "llm", kwargs.get("model") or "litellm")
         span = self.recorder.end(span_id, error=error, stream=bool(kwargs.get("stream")) or None)
         self._ended[span_id] = None

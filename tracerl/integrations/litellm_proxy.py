@@ -1,8 +1,11 @@
 """``tracerl proxy``: a real LiteLLM proxy in front of the gateway, for agents in any language.
 
-The proxy listens on loopback with a generated master key. Clients send ``x-rollout-id`` (and
-optionally ``x-tracerl-tags``) headers; a small callback inside the proxy forwards them to the
-gateway, which records every call token-exactly under that rollout. The callback module is
+The proxy listens on loopback with a master key that is given, or generated once and kept in
+``<directory>/master_key`` (mode 0600), so clients keep working across restarts. A call names
+its rollout either with the ``x-rollout-id`` header (optionally ``x-tracerl-tags``), or, for
+clients that cannot set headers, in LiteLLM's body ``metadata``: ``{"metadata": {"rollout_id":
+"ro-..."}}``; a small callback inside the proxy forwards it to the gateway, which records every
+call token-exactly under that rollout. The callback module is
 written next to the config and needs nothing but LiteLLM, so the proxy may run from its own
 virtualenv (``python`` argument / ``TRACERL_LITELLM_PYTHON``): LiteLLM's ``[proxy]`` extra
 pins packages that do not resolve together with ours.
@@ -98,7 +101,7 @@ class LiteLLMProxy:
     host: str = "127.0.0.1"
     port: int = 0
     python: str | None = None
-    master_key: str = field(default_factory=lambda: "sk-" + secrets.token_urlsafe(24))
+    master_key: str | None = None  # None: the one kept in directory/master_key (made once)
     startup_timeout_s: float = 120.0
     process: subprocess.Popen[bytes] | None = None
 
@@ -106,7 +109,20 @@ class LiteLLMProxy:
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}/v1"
 
+    def _persisted_master_key(self) -> str:
+        path = self.directory / "master_key"
+        if path.exists():
+            return path.read_text().strip()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        key = "sk-" + secrets.token_urlsafe(24)
+        fd = os.open(path.with_suffix(".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(key + "\n")
+        os.replace(path.with_suffix(".tmp"), path)  # atomic: never a half-written key
+        return key
+
     def start(self) -> LiteLLMProxy:
+        self.master_key = self.master_key or self._persisted_master_key()
         config = write_proxy_config(
             self.directory,
             upstream_base_url=self.upstream_base_url,
@@ -116,7 +132,7 @@ class LiteLLMProxy:
         self.port = self.port or free_port(self.host)
         env = {
             **os.environ,
-            "LITELLM_MASTER_KEY": self.master_key,
+            "LITELLM_MASTER_KEY": str(self.master_key),
             "LITELLM_LOCAL_MODEL_COST_MAP": "True",
             "LITELLM_OFFLINE_MODE": "true",
             "PYTHONPATH": str(self.directory),

@@ -6,22 +6,41 @@
 - :class:`TracerlTracingProcessor` records the run's spans (agents, turns, generations, function
   tools, handoffs, guardrails) into the rollout. :func:`install_tracing` makes it the SDK's
   processor; it replaces the default exporter, so traces are never uploaded anywhere unless
-  you pass your own exporting processors along.
+  you pass your own exporting processors along. One processor serves the whole process, so
+  providers made per rollout still close every span they opened.
+- An agent that holds its own ``Model`` instance bypasses the provider (its calls go to that
+  client's base URL, api.openai.com by default, unrecorded): the processor warns about each
+  such call made inside a rollout and counts them in ``bypassed_calls``.
 """
 
 from __future__ import annotations
 
+import contextvars
+import logging
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
 from agents import Model, ModelProvider, OpenAIChatCompletionsModel
-from agents.tracing import TracingProcessor, get_current_span, set_trace_processors
+from agents.tracing import (
+    TracingProcessor,
+    get_current_span,
+    get_trace_provider,
+    set_trace_processors,
+)
+from agents.tracing.processors import default_processor
 
-from ..core.context import call_tags
+from ..core.context import call_tags, current_rollout
 from .span_recorder import SpanRecorder, short
 
 _KINDS = {"agent": "agent", "function": "tool", "generation": "llm", "response": "llm",
           "handoff": "handoff", "guardrail": "guardrail", "task": "chain", "turn": "chain"}
+log = logging.getLogger(__name__)
+# set while a model served by TracerlModelProvider runs: its generation spans are ours
+_via_provider: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "tracerl_agents_via_provider", default=False)
+BYPASS_FIX = ("give the Agent a model name (or none) instead of a Model instance, and run it "
+              "with RunConfig(model_provider=TracerlModelProvider(model))")
 
 
 class TracerlTracingProcessor(TracingProcessor):
@@ -29,8 +48,10 @@ class TracerlTracingProcessor(TracingProcessor):
 
     def __init__(self) -> None:
         self.recorder = SpanRecorder("openai-agents")
+        self.bypassed_calls = 0
 
     def on_trace_start(self, trace: Any) -> None:
+        _stop_upload(self)
         self.recorder.start(trace.trace_id, "chain", trace.name or "trace",
                             group_id=getattr(trace, "group_id", None))
 
@@ -40,6 +61,12 @@ class TracerlTracingProcessor(TracingProcessor):
     def on_span_start(self, span: Any) -> None:
         data = span.span_data
         kind = _KINDS.get(data.type, "custom")
+        if kind == "llm" and not _via_provider.get() and (rollout := current_rollout()):
+            self.bypassed_calls += 1
+            log.warning("an Agents SDK model call in rollout %s bypassed TracerlModelProvider "
+                        "(the agent holds its own Model instance): it goes to that model's own "
+                        "client (api.openai.com by default) and is not recorded for training; "
+                        "fix: %s", rollout.rollout_id, BYPASS_FIX)
         name = getattr(data, "name", None) or data.type  # handoffs are named when they end
         self.recorder.start(span.span_id, kind, name, span.parent_id or span.trace_id,
                             span_type=data.type)
@@ -74,15 +101,34 @@ class TracerlTracingProcessor(TracingProcessor):
         pass
 
 
+_processor: TracerlTracingProcessor | None = None
+_processor_lock = threading.Lock()
+
+
+def _stop_upload(processor: TracerlTracingProcessor) -> None:
+    """When tracerl's processor was added beside the SDK's default one (``add_trace_processor``),
+    drop the default one, which uploads traces to OpenAI."""
+    multi = getattr(get_trace_provider(), "_multi_processor", None)  # the SDK's default provider
+    processors = list(getattr(multi, "_processors", ()))
+    if default_processor() in processors and processor in processors:
+        log.info("tracerl's trace processor is in use: the SDK's upload to OpenAI is turned off "
+                 "(pass the exporter to install_tracing() to keep it)")
+        set_trace_processors([p for p in processors if p is not default_processor()])
+
+
 def install_tracing(*extra_processors: TracingProcessor) -> TracerlTracingProcessor:
     """Make tracerl's processor (plus ``extra_processors``) the SDK's trace processors.
 
     This replaces the SDK's default exporter that uploads to OpenAI; pass that or any other
-    exporting processor here to keep it.
+    exporting processor here to keep it. The processor is one per process: installing again
+    (a provider made per rollout) keeps it, so spans opened before are still closed.
     """
-    processor = TracerlTracingProcessor()
-    set_trace_processors([processor, *extra_processors])
-    return processor
+    global _processor
+    with _processor_lock:
+        if _processor is None:
+            _processor = TracerlTracingProcessor()
+        set_trace_processors([_processor, *extra_processors])
+        return _processor
 
 
 class _TaggedModel(Model):
@@ -96,13 +142,21 @@ class _TaggedModel(Model):
         return call_tags(parent_span_id=span.span_id if span is not None else None)
 
     async def get_response(self, *args: Any, **kwargs: Any) -> Any:
-        with self._tags():
-            return await self.inner.get_response(*args, **kwargs)
+        token = _via_provider.set(True)
+        try:
+            with self._tags():
+                return await self.inner.get_response(*args, **kwargs)
+        finally:
+            _via_provider.reset(token)
 
     async def stream_response(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
-        with self._tags():
-            async for event in self.inner.stream_response(*args, **kwargs):
-                yield event
+        token = _via_provider.set(True)
+        try:
+            with self._tags():
+                async for event in self.inner.stream_response(*args, **kwargs):
+                    yield event
+        finally:
+            _via_provider.reset(token)
 
     async def close(self) -> None:
         await self.inner.close()

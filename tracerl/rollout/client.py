@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,6 +23,17 @@ import openai
 
 from ..core.context import ROLLOUT_HEADER, TAGS_HEADER, current_call_tags, current_rollout
 
+log = logging.getLogger(__name__)
+CLOSED_KEY = "closed_at"  # set in a rollout's metadata when its calls have been collected
+# calls sent from a tracerl client that no trajectory will hold, by reason
+unattributed_calls: dict[str, int] = {"no_rollout": 0, "rollout_closed": 0}
+
+
+def _unattributed(reason: str, message: str, *args: Any) -> None:
+    unattributed_calls[reason] += 1
+    if unattributed_calls[reason] in (1, 10, 100, 1000):  # warn, without flooding the log
+        log.warning(message + " (%d such calls so far)", *args, unattributed_calls[reason])
+
 
 def _attribute(request: Any, model: Any) -> None:
     tags = current_call_tags()
@@ -29,7 +41,15 @@ def _attribute(request: Any, model: Any) -> None:
         request.headers[TAGS_HEADER] = json.dumps(tags, separators=(",", ":"))
     ctx = current_rollout()
     if ctx is None:
+        _unattributed("no_rollout", "a call to %s was sent outside any rollout, so no "
+                      "trajectory holds it and it is not trained on; fix: make it inside a "
+                      "rollout run by gather_trajectory_groups(...) or in `with rollout_scope():`",
+                      request.url.path)
         return
+    if CLOSED_KEY in ctx.metadata:
+        _unattributed("rollout_closed", "a call was sent by rollout %s after it finished, so its "
+                      "trajectory misses it; fix: await every task and stream the rollout starts "
+                      "before returning from it", ctx.rollout_id)
     ctx.touch(model)
     ctx.last_call, ctx.last_call_at = f"{request.method} {request.url.path}", time.time()
     request.headers[ROLLOUT_HEADER] = ctx.rollout_id

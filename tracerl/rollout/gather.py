@@ -36,6 +36,7 @@ from ..core.trajectory import (
     calls_of,
 )
 from ..core.watchdog import watch
+from .client import CLOSED_KEY
 
 DEFAULT_ROLLOUT_TIMEOUT_S = 600.0
 
@@ -180,6 +181,7 @@ async def finish_rollout(trajectory: Any, rollout: RolloutContext) -> Trajectory
     if trajectory.end_time is None:
         trajectory.end_time = time.time()
     await _attach_calls(trajectory, rollout)
+    rollout.metadata[CLOSED_KEY] = time.time()  # a call sent after this is warned about
     _attach_spans(trajectory, rollout)
     _fill_messages(trajectory)
     trajectory_finished(trajectory)
@@ -378,3 +380,25 @@ async def trajectory_group_batches(
         for task in running:
             task.cancel()
         gather.close()
+
+
+def why_no_training_data(groups: Iterable[TrajectoryGroup]) -> str | None:
+    """Why these groups give GRPO nothing to learn from, with what to change; None when some
+    group has recorded calls and rewards that differ."""
+    groups = list(groups)
+    trajectories = [t for g in groups for t in g.trajectories]
+    if not trajectories:
+        failed = sum(len(g.exceptions) for g in groups)
+        return (f"all groups failed ({failed} rollout exceptions, no trajectories): see "
+                "group.exceptions for the errors; fix the rollout code or raise max_exceptions")
+    if not any(t.llm_calls for t in trajectories):
+        return ("no calls were attributed to any rollout: the agent's LLM calls did not reach "
+                "the model's gateway from inside its rollout; use the model's clients "
+                "(model.openai_client(), init_chat_model(model), TracerlModelProvider(model), "
+                "completion_kwargs(model)) inside the rollout function, and await them before "
+                "it returns")
+    if not any(len({t.reward for t in g.trajectories if t.llm_calls}) > 1 for g in groups):
+        return ("all rewards are equal within every group, so every GRPO advantage is 0: make "
+                "the reward separate better from worse answers (graded, not pass/fail), "
+                "use larger groups or harder/easier tasks")
+    return None

@@ -20,6 +20,7 @@ from ..core.model_spec import ModelSpec
 from ..core.storage import validate_name
 from ..core.trajectory import LLMCall, Trajectory, TrajectoryGroup, attach_scoped_calls
 from . import client as _client
+from .gather import why_no_training_data
 
 if TYPE_CHECKING:
     from ..core.backend import Backend
@@ -248,6 +249,8 @@ class TrainableModel(Model):
                 "swallow_exceptions=True, skip this step; ART 0.5's `await backend.train(model, "
                 "groups, ...)` skips it for you)")
         await attach_scoped_calls(groups)
+        if why := why_no_training_data(groups):
+            log.warning("%s: this step has no training signal: %s", self.name, why)
         spec = self.spec
         metrics: dict[str, float] = {}
         async for event in self.backend.train_events(spec, groups, config):
