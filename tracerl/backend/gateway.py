@@ -493,7 +493,9 @@ class Gateway:
         except TimeoutError:  # the gateway's deadline, or the engine's transport
             self._schedule_restart(served.engine)
             return error_response(EngineTimeoutError(
-                f"the engine did not answer within {timeout} s"))
+                f"the engine did not answer within {timeout} s: set max_tokens (without it the "
+                "engine may generate up to the context length) or raise "
+                "EngineConfig(request_timeout_s=...)"))
         except EngineError as e:
             self._schedule_restart(served.engine)
             return error_response(EngineUnavailableError(
@@ -501,9 +503,12 @@ class Gateway:
         finally:
             served.swap.release_read()
         response["model"] = body["model"]
-        await self._record(served, endpoint, body, response, who, step,
-                           time.perf_counter() - started, streamed=False, route=route,
-                           exchange=exchange)
+        try:
+            await self._record(served, endpoint, body, response, who, step,
+                               time.perf_counter() - started, streamed=False, route=route,
+                               exchange=exchange)
+        except TracerlError as e:  # e.g. a full disk (507): the caller must not train on it
+            return error_response(e)
         answer = strip_for_caller(endpoint, body, response)
         return JSONResponse(answer if exchange is None else exchange.answer(response))
 
