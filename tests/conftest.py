@@ -35,6 +35,22 @@ async def until(condition: Callable[[], bool | Awaitable[bool]], what: str,
         await asyncio.sleep(every_s)
 
 
+
+def _vllm_available() -> bool:
+    from tracerl.backend.engines.vllm_engine import VLLMEngine
+
+    return VLLMEngine.available()
+
+
+# the marks of a module of tests against real vLLM servers
+VLLM_TESTS = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        not _vllm_available(),
+        reason="vLLM not installed; `make test` installs it and sets TRACERL_VLLM_PYTHON",
+    ),
+]
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     from tracerl.backend.weights import resolve_base_model

@@ -11,16 +11,15 @@ import pytest
 import torch
 
 import tracerl
-from tests.conftest import check_streamed_call_is_recorded, make_random_lora, render_ids
+from tests.conftest import (
+    VLLM_TESTS,
+    check_streamed_call_is_recorded,
+    make_random_lora,
+    render_ids,
+)
 from tracerl.backend.engines.vllm_engine import VLLMEngine
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        not VLLMEngine.available(),
-        reason="vLLM not installed; `make test` installs it and sets TRACERL_VLLM_PYTHON",
-    ),
-]
+pytestmark = VLLM_TESTS
 
 MSGS = [{"role": "user", "content": "Name a colour."}]
 

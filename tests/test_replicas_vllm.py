@@ -14,17 +14,11 @@ import httpx2
 import pytest
 
 import tracerl
-from tests.conftest import make_random_lora, until
+from tests.conftest import VLLM_TESTS, make_random_lora, until
 from tracerl.backend.engines.replica_set import ReplicaSet
 from tracerl.backend.engines.vllm_engine import VLLMEngine, startup_timeout_s
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        not VLLMEngine.available(),
-        reason="vLLM not installed; `make test` installs it and sets TRACERL_VLLM_PYTHON",
-    ),
-]
+pytestmark = VLLM_TESTS
 
 MSGS = [{"role": "user", "content": "Name a colour."}]
 

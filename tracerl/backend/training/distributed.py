@@ -25,10 +25,10 @@ from ...core.config import DistributedTrainerConfig, LoraConfig, TrainConfig
 from ...core.errors import ConfigError, RankFailedError, TrainingError
 from ...core.launcher import Launcher
 from ...core.plugins import collect_classes
-from ..chat_template import apply_chat_template_override, render_prompt
+from ..chat_template import apply_chat_template_override
 from .rank import COORDINATOR_ENV, COORDINATOR_KEY_ENV
 from .rows import Row
-from .trainer import micro_batches, step_totals
+from .trainer import Rendering, micro_batches, step_totals
 
 log = logging.getLogger(__name__)
 RANK_MODULE = "tracerl.backend.training.rank"
@@ -63,7 +63,7 @@ def checkpoint_files(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
-class DistributedPolicy:
+class DistributedPolicy(Rendering):
     """The policy of a model trained by ``config.world_size`` ranks (same interface as
     :class:`~.trainer.Trainer` for ``train_step``: render, tokenize, optimize, save, close)."""
 
@@ -97,18 +97,7 @@ class DistributedPolicy:
             raise
         self.phase = "ready"
 
-    # --- the Trainer interface of train_step ----------------------------------------------
-
-    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
-               ) -> list[int]:
-        return render_prompt(self.tokenizer, messages, tools)
-
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return self.tokenizer.eos_token_id
+    # --- the Trainer interface of train_step (render/tokenize: Rendering) -------------------
 
     def optimize(self, rows: list[Row], config: TrainConfig) -> dict[str, float]:
         """The step on the ranks: the one-process micro-batches, dealt round-robin."""

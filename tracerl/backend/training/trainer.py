@@ -75,7 +75,27 @@ def _keep_trainer_logprobs(batch: list[Row], logp: torch.Tensor, width: int) -> 
                                 if row.loss_mask[j]]
 
 
-class Trainer:
+class Rendering:
+    """Rows of trajectories without token records: rendered with the served chat template
+    (``self.tokenizer``, set by the subclass)."""
+
+    tokenizer: Any
+
+    def render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> list[int]:
+        """Prompt token ids of ``messages`` under the served chat template."""
+        return render_prompt(self.tokenizer, messages, tools)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.tokenizer.eos_token_id
+
+
+class Trainer(Rendering):
     """Holds the policy (base + LoRA) and its optimizer between steps."""
 
     # each rank's loss is multiplied by this before backward: data parallel wrappers average
@@ -175,21 +195,6 @@ class Trainer:
         state_file = path / STATE_FILE
         if state_file.exists():
             self.steps_done = json.loads(state_file.read_text()).get("steps_done", 0)
-
-    # --- rendering (rows of trajectories without token records) ---------------------------
-
-    def render(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
-    ) -> list[int]:
-        """Prompt token ids of ``messages`` under the served chat template."""
-        return render_prompt(self.tokenizer, messages, tools)
-
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return self.tokenizer.eos_token_id
 
     # --- the step --------------------------------------------------------------------------
 
