@@ -18,7 +18,9 @@ from tests.conftest import VLLM_TESTS, make_random_lora, until
 from tracerl.backend.engines.replica_set import ReplicaSet
 from tracerl.backend.engines.vllm_engine import VLLMEngine, startup_timeout_s
 
-pytestmark = VLLM_TESTS
+# three vLLM servers at once (one killed, one restarting, one joining): its own process in
+# the slow stage, not beside the fast stage's session fixtures on a 2-core machine
+pytestmark = [*VLLM_TESTS, pytest.mark.slow]
 
 MSGS = [{"role": "user", "content": "Name a colour."}]
 

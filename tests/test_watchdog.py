@@ -51,14 +51,14 @@ async def test_a_rollout_that_never_returns_is_named_with_its_last_call(tf_backe
 
 async def test_a_held_swap_names_the_requests_in_flight(tf_backend, fast_watchdog, tmp_path):
     backend, model = tf_backend
-    route = backend.gateway.models[model.name]
+    route = backend.gateway.models[model.spec.key]
     served = ServedModel(name="watched", engine=route.engine, store=route.store)
-    await served.swap.acquire_read()  # what a request in flight holds
+    await served.swap.acquire_read(30)  # what a request in flight holds
     swap = asyncio.create_task(served.swap_adapter(1, tmp_path))
     await until(lambda: any("adapter swap of watched" in m for m in fast_watchdog()),
                 "the watchdog's report of the held swap", timeout_s=30)
     swap.cancel()
-    await served.swap.release_read()
+    served.swap.release_read()
     message = next(m for m in fast_watchdog() if "adapter swap of watched" in m)
     assert message.endswith("a swap holds new requests; 1 requests in flight hold the swap lock")
 

@@ -216,10 +216,14 @@ class VLLMEngine(Engine):
         return cmd + list(cfg.extra_args)
 
     def log_tail(self, n: int = 40) -> str:
+        """The server log's last ``n`` lines, after its error lines: vLLM's worker prints the
+        root cause, then the API server a long traceback that ends "See root cause above"."""
         try:
-            return "\n".join(Path(self._log.name).read_text(errors="replace").splitlines()[-n:])
+            lines = Path(self._log.name).read_text(errors="replace").splitlines()
         except OSError:
             return ""
+        causes = [line for line in lines[:-n] if " ERROR " in line or "Error: " in line][-8:]
+        return "\n".join([*causes, *(["..."] if causes else []), *lines[-n:]])
 
     async def start(self) -> None:
         self._ready = False

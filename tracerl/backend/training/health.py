@@ -85,7 +85,7 @@ def template_mismatches(groups: Iterable[TrajectoryGroup],
 
 def unattributed_calls(store: ModelStore) -> dict[str, float]:
     """Calls recorded without a rollout id since the previous training step."""
-    path = store.calls_path("unattributed")
+    path = store.unattributed_calls_path
     total = 0
     if path.exists():
         with open(path, "rb") as f:
