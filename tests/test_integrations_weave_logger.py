@@ -93,7 +93,8 @@ async def test_rollouts_become_weave_calls_with_rewards(tf_backend, weave_record
             assert child["trace_id"] == ro["trace_id"]
             assert (
                 child["attributes"]["call_id"] == record.id
-                and child["attributes"]["adapter_step"] == 0
+                # the session model's step: an earlier test may have trained it
+                and child["attributes"]["adapter_step"] == record.adapter_step is not None
             )
             assert child["inputs"]["messages"] == record.request["messages"]
             usage = child["output"]["usage"]

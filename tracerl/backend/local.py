@@ -266,7 +266,7 @@ class LocalBackend(Backend):
         if key not in self._policies and self.trainer is not None:
             step = store.latest_step()
             self._policies[key] = start_distributed_policy(
-                self.trainer, self.gateway.models[model.name].engine.spec.model_path,
+                self.trainer, self.gateway.models[model.key].engine.spec.model_path,
                 model.config.lora, store.checkpoint_dir(step) if step > 0 else None,
                 model.config.engine.chat_template, store.root / "logs" / "trainer-ranks.log")
         if key not in self._policies:
