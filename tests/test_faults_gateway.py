@@ -10,6 +10,7 @@ import random
 import socket
 import struct
 from collections import Counter
+from typing import Any
 
 import httpx2
 import pytest
@@ -18,6 +19,7 @@ import tracerl
 from tests.conftest import until
 from tests.remote_server import API_KEY
 from tracerl.core.storage import ModelStore, read_jsonl
+from tracerl.rollout.client import async_client
 
 CONFIG = tracerl.ModelConfig(engine=tracerl.EngineConfig(max_model_len=256))
 AUTH = {"authorization": f"Bearer {API_KEY}"}
@@ -66,10 +68,11 @@ async def _rollout(model: tracerl.Model, i: int) -> tracerl.Trajectory:
     return tracerl.Trajectory(messages_and_choices=[*messages, r.choices[0]], reward=float(i))
 
 
-async def served_adapter_step(model: tracerl.Model, stream: bool = False) -> int:
+async def served_adapter_step(model: tracerl.Model, stream: bool = False,
+                              client: Any = None) -> int:
     """The adapter step the gateway serves ``model`` with, read from a fresh call's record."""
     with tracerl.rollout_scope() as ro:
-        r = await model.openai_client().chat.completions.create(
+        r = await (client or model.openai_client()).chat.completions.create(
             model=model.get_inference_name(), messages=[{"role": "user", "content": "hi"}],
             max_tokens=2, stream=stream)
         if stream:
@@ -274,11 +277,15 @@ async def test_a_flood_of_slow_clients_is_cut_off_and_calls_go_on(faults_server,
     stop = asyncio.Event()
     kinds = ["idle"] * IDLE + ["head"] * TRICKLING_HEADS + ["body"] * TRICKLING_BODIES
     clients = [asyncio.ensure_future(_slow_client(faults_server.port, k, stop)) for k in kinds]
+    # a new connection, made during the flood: the model's pooled one may be past the server's
+    # idle deadline (2 s here, under the client's 5 s keep-alive) and closing as it is reused
+    fresh = async_client(faults_model, *faults_model.endpoint())
     try:
-        assert await served_adapter_step(faults_model) >= 0  # served during the flood
+        assert await served_adapter_step(faults_model, client=fresh) >= 0  # during the flood
         answers = await asyncio.wait_for(asyncio.gather(*clients), 30)
     finally:
         stop.set()
+        await fresh.close()
     for kind, answer in zip(kinds, answers, strict=True):
         if kind == "body":
             assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
