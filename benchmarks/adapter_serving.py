@@ -72,7 +72,7 @@ async def measure(args: argparse.Namespace, base_model: str) -> dict:
     started = time.perf_counter()
     await model.register(backend)
     print(f"engine up in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
-    engine = backend.gateway.models[model.name].engine
+    engine = backend.gateway.models[model.spec.key].engine
     folder = Path(tempfile.mkdtemp())
     paths = {"base": engine.spec.served_name}
     for targets in args.targets:

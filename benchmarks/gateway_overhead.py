@@ -31,7 +31,7 @@ async def run(engine: str, requests: int, max_tokens: int) -> dict:
     backend = tracerl.LocalBackend(path=tempfile.mkdtemp(), engine=engine)
     model = tracerl.TrainableModel(name="bench", project="bench", base_model="smollm2")
     await model.register(backend)
-    eng = backend.gateway.models[model.name].engine
+    eng = backend.gateway.models[model.spec.key].engine
     body = {"messages": [{"role": "user", "content": "Say one word."}], "max_tokens": max_tokens,
             "temperature": 0}
     direct, gateway = [], []

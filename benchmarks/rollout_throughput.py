@@ -76,7 +76,7 @@ async def measure(concurrencies: list[int], max_tokens: int, waves: int, base_mo
     started = time.perf_counter()
     await model.register(backend)
     print(f"engine up in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
-    engine = backend.gateway.models[model.name].engine
+    engine = backend.gateway.models[model.spec.key].engine
     if replicas > 1:  # the peer: one server of the set, called directly, the others idle
         engine = engine.replicas[0].engine
     body = {"max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True}

@@ -33,7 +33,7 @@ async def test_ray_places_a_replica_and_two_ranks_and_trains_a_step(ray_cluster,
         config=tracerl.ModelConfig(engine=tracerl.EngineConfig(max_model_len=256)))
     try:
         await model.register(backend)
-        engine = backend.gateway.models[model.name].engine
+        engine = backend.gateway.models[model.spec.key].engine
         assert isinstance(engine, RayReplicaEngine)
         groups = await _rollouts(model, [0.0, 1.0, 2.0])
         assert all(t.llm_calls for g in groups for t in g.trajectories)  # recorded, token-exact
