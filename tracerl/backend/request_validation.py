@@ -87,7 +87,7 @@ def _check_messages(body: dict[str, Any]) -> None:
         where = f"messages[{i}]"
         if not isinstance(m, dict) or "role" not in m:
             raise EngineRequestError(f"{where} must be an object with a role", param=where)
-        if m["role"] not in CHAT_ROLES:
+        if not isinstance(m["role"], str) or m["role"] not in CHAT_ROLES:  # [] is unhashable
             raise _bad(f"{where}.role", f"unknown role {_show(m['role'])}; expected one of "
                                         f"{sorted(CHAT_ROLES)}")
         _check_content(f"{where}.content", m.get("content"))
