@@ -15,7 +15,8 @@ async def rollout(model: art.TrainableModel, color: str, attempt: int) -> art.Tr
     choice = completion.choices[0]
     trajectory = art.Trajectory(messages_and_choices=[*messages, choice], reward=0.0)
     # the word said, and (tiny groups must not tie) the first attempt preferred
-    trajectory.reward = float(color in (choice.message.content or "").lower()) + (attempt == 0)
+    said = float(color in (choice.message.content or "").lower())
+    trajectory.reward = said + 0.5 * (attempt == 0)
     trajectory.metrics["length"] = len(choice.message.content or "")
     return trajectory
 
