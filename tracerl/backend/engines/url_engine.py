@@ -44,9 +44,7 @@ class URLEngine(VLLMEngine):
                 raise EngineError(f"the server at {self.url} did not answer /health within "
                                   f"{startup_timeout_s():.0f} s")
             await asyncio.sleep(0.5)
-        for name, path in list(self._adapters.items()):
-            await self.load_adapter(name, path)
-        self._ready = True
+        await self._serve_known_adapters()
 
     async def stop(self) -> None:
         self._ready = False

@@ -270,6 +270,10 @@ class VLLMEngine(Engine):
                 raise EngineError(f"vLLM did not become healthy within {timeout_s:.0f} s:\n"
                                   f"{self.log_tail()}")
             await asyncio.sleep(0.5)
+        await self._serve_known_adapters()
+
+    async def _serve_known_adapters(self) -> None:
+        """Load again the adapters served before a (re)start, then take traffic."""
         for name, path in list(self._adapters.items()):
             await self.load_adapter(name, path)
         self._ready = True
