@@ -72,7 +72,8 @@ async def measure(concurrencies: list[int], max_tokens: int, waves: int, base_mo
         name="bench", project="bench", base_model=base_model,
         config=tracerl.ModelConfig(engine=tracerl.EngineConfig(
             max_num_seqs=max(concurrencies), max_model_len=max(512, max_tokens + 128),
-            extra_args=vllm_args, replicas=replicas, replicas_per_gpu=replicas)))
+            extra_args=vllm_args, replicas=replicas if replicas > 1 else None,
+            replicas_per_gpu=replicas)))
     started = time.perf_counter()
     await model.register(backend)
     print(f"engine up in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
