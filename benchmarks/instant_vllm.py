@@ -1,8 +1,10 @@
 """A stand-in for vLLM's OpenAI server that answers at once, for measuring the gateway's own CPU
 cost per call (with a real engine, generation hides it until hundreds of rollouts run at once).
 
-It answers ``/health``, ``/v1/models`` and non-streamed ``/v1/chat/completions`` with a reply of
-vLLM's shape: ``max_tokens`` tokens, each with its logprob entry, token ids and prompt token ids.
+It answers ``/health``, ``/v1/models`` and ``/v1/chat/completions`` with a reply of vLLM's
+shape: ``max_tokens`` tokens, each with its logprob entry, token ids and prompt token ids; with
+``stream`` set, as server-sent events of one token each (prompt token ids in the first, usage in
+the last when ``stream_options.include_usage`` asks), sent with a ``Content-Length``.
 Started by the vLLM engine in place of vLLM: point ``TRACERL_VLLM_PYTHON`` at
 ``benchmarks/instant_vllm`` (a wrapper that ignores ``-m vllm.entrypoints...``). Standard library
 only, so any python3 runs it.
@@ -29,6 +31,28 @@ def reply(body: dict) -> dict:
             "prompt_logprobs": None, "prompt_token_ids": list(range(1, 21))}
 
 
+def stream_events(body: dict) -> bytes:
+    """The reply as vLLM streams it: one chunk per token, then ``[DONE]``."""
+    full = reply(body)
+    choice = full["choices"][0]
+    base = {"id": full["id"], "object": "chat.completion.chunk", "created": full["created"],
+            "model": full["model"]}
+    chunks = [{**base, "prompt_token_ids": full["prompt_token_ids"], "choices": [
+        {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+         "finish_reason": None}]}]
+    last = len(choice["token_ids"]) - 1
+    for i, (token, entry) in enumerate(zip(choice["token_ids"], choice["logprobs"]["content"],
+                                           strict=True)):
+        chunks.append({**base, "choices": [
+            {"index": 0, "delta": {"content": ("" if i == 0 else " ") + entry["token"]},
+             "logprobs": {"content": [entry]}, "token_ids": [token],
+             "finish_reason": "length" if i == last else None}]})
+    if (body.get("stream_options") or {}).get("include_usage"):
+        chunks.append({**base, "choices": [], "usage": full["usage"]})
+    return b"".join(b"data: %s\n\n" % json.dumps(c).encode() for c in chunks) + \
+        b"data: [DONE]\n\n"
+
+
 async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, name: str) -> None:
     try:
         while True:  # HTTP/1.1 keep-alive: one request after another on this connection
@@ -40,14 +64,17 @@ async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, name
                 if key.strip().lower() == b"content-length":
                     length = int(value)
             body = json.loads(await reader.readexactly(length)) if length else {}
-            if path == b"/v1/chat/completions" and method == b"POST":
+            kind = b"application/json"
+            if path == b"/v1/chat/completions" and method == b"POST" and body.get("stream"):
+                payload, kind = stream_events(body), b"text/event-stream"
+            elif path == b"/v1/chat/completions" and method == b"POST":
                 payload = json.dumps(reply(body)).encode()
             elif path == b"/v1/models":
                 payload = json.dumps({"object": "list", "data": [{"id": name}]}).encode()
             else:
                 payload = b"{}"
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: %s\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (kind, len(payload), payload))
             await writer.drain()
     except (asyncio.IncompleteReadError, ConnectionError):
         pass
