@@ -103,6 +103,7 @@ class LiteLLMProxy:
     python: str | None = None
     master_key: str | None = None  # None: the one kept in directory/master_key (made once)
     startup_timeout_s: float = 120.0
+    workers: int = 1  # uvicorn worker processes (``--num_workers``)
     process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -147,6 +148,8 @@ class LiteLLMProxy:
                 self.host,
                 "--port",
                 str(self.port),
+                "--num_workers",
+                str(self.workers),
             ],
             cwd=self.directory,
             env=env,
