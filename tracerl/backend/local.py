@@ -142,11 +142,13 @@ def freeze_long_lived_objects() -> None:
     Each gateway call decodes an engine reply of ~1,000 containers; the collections those
     allocations trigger walked the whole heap again and again, and were most of the gateway's CPU
     (``benchmarks/rollout_throughput.py`` over ``benchmarks/instant_vllm``: 2x calls per second
-    once frozen). Garbage made before the freeze is collected first. ``TRACERL_GC_FREEZE=0``
+    once frozen). Each call first unfreezes and collects, so what an earlier freeze held and has
+    since become garbage (a dropped engine, say) is reclaimed then. ``TRACERL_GC_FREEZE=0``
     leaves the collector as it is.
     """
     if os.environ.get("TRACERL_GC_FREEZE", "1") == "0":
         return
+    gc.unfreeze()
     gc.collect()
     gc.freeze()
     log.debug("froze %d long-lived objects", gc.get_freeze_count())
