@@ -25,6 +25,7 @@ from ..core.hookspecs import hookimpl
 from ..core.model_spec import ModelLike, ModelSpec, spec_of
 from ..core.net import is_loopback
 from ..core.plugins import collect_classes
+from ..core.spans import Span
 from ..core.storage import ModelStore
 from ..core.trajectory import (
     LLMCall,
@@ -325,6 +326,22 @@ class LocalBackend(Backend):
 
     async def fetch_calls(self, model: ModelLike, rollout_id: str) -> list[LLMCall]:
         return self.gateway.calls.take(self.store(model), rollout_id)
+
+    async def fetch_spans(self, model: ModelLike, rollout_id: str) -> list[Span]:
+        from .external_rollouts import read_spans
+
+        return await asyncio.to_thread(read_spans, self.store(model), rollout_id)
+
+    async def take_external_groups(self, model: ModelLike, n_groups: int, request_id: str
+                                   ) -> list[TrajectoryGroup]:
+        from .external_rollouts import build_groups
+
+        store = self.store(model)
+        taken = await asyncio.to_thread(self.gateway.rollouts.take, store, n_groups, request_id)
+        return await asyncio.to_thread(build_groups, taken, store, self.gateway.calls)
+
+    async def external_rollouts_status(self, model: ModelLike) -> dict[str, int]:
+        return self.gateway.rollouts.counts(self.store(model))
 
     async def log(self, model: ModelLike, groups: list[TrajectoryGroup], split: str, step: int,
                   metrics: dict[str, float]) -> None:
