@@ -28,9 +28,10 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -51,9 +52,6 @@ from ..core.trajectory import (
     fill_messages_from_calls,
 )
 from .request_body import parse_json_object, read_limited_body
-
-if TYPE_CHECKING:
-    from .gateway import Gateway, ServedModel
 
 log = logging.getLogger(__name__)
 
@@ -208,16 +206,11 @@ def _reward_event(kind: str, rollout_id: str, body: dict[str, Any]) -> dict[str,
     return event
 
 
-def _answer_error(e: TracerlError) -> JSONResponse:
-    from .gateway import error_response
-
-    return error_response(e)
-
-
 class ExternalRollouts:
     """The rollout API's state, per model, and its routes on a gateway."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Any) -> None:
+        """``gateway``: the :class:`~tracerl.backend.gateway.Gateway` (its models, routing)."""
         self.gateway = gateway
         self._lock = threading.Lock()  # the gateway's loop and the trainer's thread share it
         self._models: dict[Path, _ModelRollouts] = {}
@@ -258,7 +251,7 @@ class ExternalRollouts:
                         LATE_CALLS, self._late_warned)
         return late_calls_path(store)
 
-    def open(self, served: ServedModel, group: str | None, group_size: int | None,
+    def open(self, served: Any, group: str | None, group_size: int | None,
              metadata: dict[str, Any]) -> ExternalRollout:
         rollout_id = "ext-" + uuid.uuid4().hex
         with self._lock:
@@ -337,8 +330,10 @@ class ExternalRollouts:
 
     # --- routes ----------------------------------------------------------------------------
 
-    def install(self, app: FastAPI) -> None:
-        """Add the routes to the gateway's ``app`` (its auth middleware guards them)."""
+    def install(self, app: FastAPI, answer_error: Callable[[TracerlError], JSONResponse]
+                ) -> None:
+        """Add the routes to the gateway's ``app`` (its auth middleware guards them); errors
+        are answered by ``answer_error`` (the gateway's OpenAI-shaped answer)."""
 
         async def body_of(request: Request) -> Any:
             raw = await read_limited_body(request, MAX_BODY_BYTES)
@@ -352,9 +347,9 @@ class ExternalRollouts:
                     body = await body_of(request) if request.method == "POST" else None
                     return await fn(request, rollout_id, body)
                 except ConfigError as e:  # a bad id or name
-                    return _answer_error(invalid("rollout_id" if rollout_id else "group", str(e)))
+                    return answer_error(invalid("rollout_id" if rollout_id else "group", str(e)))
                 except TracerlError as e:
-                    return _answer_error(e)
+                    return answer_error(e)
             return route
 
         async def open_route(request: Request, _: Any, body: dict[str, Any]) -> Any:

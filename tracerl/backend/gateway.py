@@ -391,7 +391,7 @@ class Gateway:
             return openai_error(400, f"invalid {where}: {first.get('msg', 'invalid value')}",
                                 param=where or None, code="invalid_request")
 
-        self.rollouts.install(app)
+        self.rollouts.install(app, error_response)
 
         @app.get("/health")
         async def health() -> dict[str, Any]:  # no key needed, so it tells nothing about models

@@ -79,7 +79,8 @@ class TracerlProxyCallback(CustomLogger):
             if not rollout or not api_base:
                 return
             call_id = str(kwargs.get("litellm_call_id") or uuid.uuid4().hex)
-            model = str(kwargs.get("model") or "")
+            metadata = params.get("metadata") or {{}}
+            model = str(metadata.get("model_group") or kwargs.get("model") or "")
             span = {{"id": "litellm-" + call_id, "kind": "llm", "name": model,
                     "framework": "litellm-proxy", "start_time": _seconds(start_time),
                     "end_time": _seconds(end_time), "error": error,

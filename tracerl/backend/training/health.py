@@ -28,7 +28,6 @@ from typing import Any
 
 from ...core.storage import ModelStore, append_jsonl, atomic_write_text, read_jsonl
 from ...core.trajectory import TrajectoryGroup
-from ..external_rollouts import late_calls_path, pending_rollout_ids
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +115,8 @@ def unattributed_calls(store: ModelStore) -> dict[str, float]:
 def late_calls(store: ModelStore) -> dict[str, float]:
     """Calls that arrived for a rollout-API rollout after it was finished (recorded apart),
     since the previous training step."""
+    from ..external_rollouts import late_calls_path  # (loads the web framework: not at import)
+
     return _since_last_step(store, late_calls_path(store), "late_calls")
 
 
@@ -125,6 +126,8 @@ def orphan_calls(store: ModelStore, groups: Iterable[TrajectoryGroup]) -> dict[s
     earlier one holds it, and it is no rollout-API rollout waiting to be handed out) is counted
     once, with all its calls. A client that sends made-up ``x-rollout-id`` values, or rollouts
     whose groups were dropped, show up here."""
+    from ..external_rollouts import pending_rollout_ids
+
     calls_dir = store.root / "calls"
     step_ids = sorted({rid for g in groups for rid in (
         *(t.rollout_id for t in g.trajectories), *(e.rollout_id for e in g.exceptions)) if rid})
