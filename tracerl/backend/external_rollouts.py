@@ -345,6 +345,9 @@ class ExternalRollouts:
             async def route(request: Request, rollout_id: str | None = None) -> Any:
                 try:
                     body = await body_of(request) if request.method == "POST" else None
+                    if request.method == "POST" and fn is not spans_route \
+                            and not isinstance(body, dict):
+                        raise invalid("body", "must be a JSON object")
                     return await fn(request, rollout_id, body)
                 except ConfigError as e:  # a bad id or name
                     return answer_error(invalid("rollout_id" if rollout_id else "group", str(e)))

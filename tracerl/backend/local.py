@@ -328,9 +328,12 @@ class LocalBackend(Backend):
         return self.gateway.calls.take(self.store(model), rollout_id)
 
     async def fetch_spans(self, model: ModelLike, rollout_id: str) -> list[Span]:
-        from .external_rollouts import read_spans
+        from .external_rollouts import read_spans, spans_path
 
-        return await asyncio.to_thread(read_spans, self.store(model), rollout_id)
+        store = self.store(model)
+        if not spans_path(store, rollout_id).exists():  # most rollouts: no thread hop
+            return []
+        return await asyncio.to_thread(read_spans, store, rollout_id)
 
     async def take_external_groups(self, model: ModelLike, n_groups: int, request_id: str
                                    ) -> list[TrajectoryGroup]:
