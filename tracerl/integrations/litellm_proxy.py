@@ -88,7 +88,9 @@ class TracerlProxyCallback(CustomLogger):
                     "attributes": {{"litellm_call_id": call_id, "model": model}}}}
             key = kwargs.get("api_key") or params.get("api_key")
             headers = {{"authorization": f"Bearer {{key}}"}} if key else {{}}
-            url = f"{{str(api_base).rstrip('/')}}/rollouts/{{rollout}}/spans"
+            base = str(api_base).rstrip("/")  # the endpoint's URL: keep up to its /v1
+            cut = base.rfind("/v1/")
+            url = f"{{base[:cut + 3] if cut >= 0 else base}}/rollouts/{{rollout}}/spans"
             async with httpx.AsyncClient(timeout=SPAN_POST_TIMEOUT_S) as client:
                 r = await client.post(url, headers=headers, json={{"model": model,
                                                                   "spans": [span]}})
