@@ -37,6 +37,7 @@ from ..core.trajectory import (
 from ..core.watchdog import watch
 from .engines.replica_set import build_engine
 from .publishing import AdapterPublisher
+from .training.health import claim_rollouts
 from .training.sft import sft_step
 from .training.step import train_step
 
@@ -357,6 +358,7 @@ class LocalBackend(Backend):
         new = [g for g in groups if g.model_dump_json() not in saved]
         if new:
             write_groups_jsonl(path, new, append=True)
+            claim_rollouts(store, new)  # e.g. validation rollouts: their calls are no orphans
         store.log_history(step, split, metrics)
 
     async def history(self, model: ModelLike) -> list[dict[str, Any]]:

@@ -5,7 +5,8 @@ Every step logs these beside loss and reward (``history.jsonl``):
 - ``skipped_groups`` / ``groups``: groups with equal rewards (or one trajectory) carry no signal;
 - ``unattributed_calls``: calls the gateway recorded without a rollout id since the last step;
 - ``late_calls``: calls for a rollout-API rollout that arrived after it was finished;
-- ``orphan_calls``: calls recorded under a rollout id that no trained trajectory claimed;
+- ``orphan_calls``: calls recorded under a rollout id that no trained or logged trajectory
+  claimed;
 - ``prefix_mismatch_fraction``: turns whose prompt did not continue the previous call's tokens;
 - ``rendered_fraction``: rows trained on re-rendered text instead of the engine's tokens;
 - ``template_mismatch_fraction``: recorded prompts the trainer's chat template renders
@@ -120,22 +121,26 @@ def late_calls(store: ModelStore) -> dict[str, float]:
     return _since_last_step(store, late_calls_path(store), "late_calls")
 
 
+def claim_rollouts(store: ModelStore, groups: Iterable[TrajectoryGroup]) -> None:
+    """Note the rollout ids of trained or logged groups (their calls are no orphans)."""
+    ids = sorted({rid for g in groups for rid in (
+        *(t.rollout_id for t in g.trajectories), *(e.rollout_id for e in g.exceptions)) if rid})
+    if ids:
+        append_jsonl(store.root / "calls" / CLAIMED, {"rollout_ids": ids})
+
+
 def orphan_calls(store: ModelStore, groups: Iterable[TrajectoryGroup]) -> dict[str, float]:
     """Calls recorded under a rollout id that no trajectory claimed: a rollout id first seen
-    unclaimed at one step and still unclaimed at the next (no trajectory of these steps or an
-    earlier one holds it, and it is no rollout-API rollout waiting to be handed out) is counted
-    once, with all its calls. A client that sends made-up ``x-rollout-id`` values, or rollouts
+    unclaimed at one step and still unclaimed at the next (no trajectory trained or logged so
+    far holds it, and it is no rollout-API rollout waiting to be handed out) is counted once,
+    with all its calls. A client that sends made-up ``x-rollout-id`` values, or rollouts
     whose groups were dropped, show up here."""
     from ..external_rollouts import pending_rollout_ids
 
     calls_dir = store.root / "calls"
-    step_ids = sorted({rid for g in groups for rid in (
-        *(t.rollout_id for t in g.trajectories), *(e.rollout_id for e in g.exceptions)) if rid})
-    claimed_path, state_path = calls_dir / CLAIMED, calls_dir / ORPHANS
-    claimed = {rid for r in read_jsonl(claimed_path) for rid in r.get("rollout_ids", [])}
-    if step_ids:
-        append_jsonl(claimed_path, {"rollout_ids": step_ids})
-    claimed.update(step_ids)
+    claim_rollouts(store, groups)
+    state_path = calls_dir / ORPHANS
+    claimed = {rid for r in read_jsonl(calls_dir / CLAIMED) for rid in r.get("rollout_ids", [])}
     state = json.loads(state_path.read_text()) if state_path.exists() else {}
     counted, seen = set(state.get("counted", [])), set(state.get("seen", []))
     recorded = {p.stem for p in calls_dir.glob("*.jsonl") if not p.name.startswith("_")}
@@ -215,8 +220,9 @@ def step_warnings(m: dict[str, Any], thresholds: dict[str, float] | None = None
     if float(m.get("orphan_calls", 0) or 0) >= t["orphan_calls"]:
         out.append(HealthWarning(
             "orphan_calls",
-            f"{m['orphan_calls']:.0f} calls were recorded under rollout ids that no trained "
-            "trajectory claimed (e.g. made-up x-rollout-id values, or dropped groups)",
+            f"{m['orphan_calls']:.0f} calls were recorded under rollout ids that no trained or "
+            "logged trajectory claimed (made-up x-rollout-id values, failed rollouts, dropped "
+            "groups)",
             "send the rollout id your trajectory gets (tracerl's clients, or the rollout_id "
             "from POST /v1/rollouts), and finish every opened rollout"))
     checks = (
