@@ -61,13 +61,20 @@ async def chat(http: httpx2.AsyncClient, opened: dict, root: str) -> httpx2.Resp
 
 @pytest.fixture(scope="module")
 async def steps(ext):
-    """A call under a made-up rollout id; the Node service's group, gathered and trained (step
+    """A call under a made-up rollout id, and one of a logged validation rollout; the Node
+    service's group, gathered and trained (step
     1); a call for one of its rollouts after it finished; a second group opened from Python,
     trained (step 2)."""
     http, run = ext.http, SimpleNamespace()
     made_up = await http.post("/v1/chat/completions", headers={"x-rollout-id": "made-up-id"},
                               json={"model": "ext", "max_tokens": 4, "messages": HI})
     assert made_up.status_code == 200, made_up.text
+    val = await http.post("/v1/chat/completions", headers={"x-rollout-id": "val-logged"},
+                          json={"model": "ext", "max_tokens": 4, "messages": HI})
+    assert val.status_code == 200, val.text
+    await ext.model.log([tracerl.TrajectoryGroup([  # a logged (validation) rollout: no orphan
+        tracerl.Trajectory(rollout_id="val-logged", reward=1.0, messages_and_choices=HI)])],
+        split="val")
     run.service = await asyncio.to_thread(run_service, ext.root, "ext", "node-group")
     run.groups = await tracerl.gather_external_groups(ext.model, 1, timeout_s=60)
     run.metrics1 = await ext.model.train(run.groups, tracerl.TrainConfig(learning_rate=1e-5))
@@ -123,6 +130,7 @@ async def test_a_call_after_its_rollout_finished_is_recorded_apart(steps, ext):
 async def test_orphan_and_late_calls_are_in_the_steps_health(steps):
     assert (steps.metrics1["orphan_calls"], steps.metrics1["late_calls"]) == (0.0, 0.0)
     # the made-up id was unclaimed at step 1 and still at step 2: its one call is an orphan
+    # (the logged validation rollout's call is not)
     assert (steps.metrics2["orphan_calls"], steps.metrics2["orphan_rollouts"],
             steps.metrics2["late_calls"]) == (1.0, 1.0, 1.0)
     from tracerl.backend.training.health import step_warnings
