@@ -15,8 +15,9 @@ Every body is validated before anything is written (400 naming the field); an un
 404, a reward or finish after the finish is 409. State is an append-only event log per model,
 ``external/rollouts.jsonl`` (open, reward, finish, taken), replayed after a restart; the
 ``taken`` events are the trainer's cursor, so a rollout is handed out once. Spans are kept in
-``spans/{rollout_id}.jsonl`` for any rollout (tracerl's own ones too). A call that arrives for
-a finished rollout is recorded apart, in ``calls/_late.jsonl``, never in its trajectory.
+``spans/{rollout_id}.jsonl`` (a line per post) for any rollout (tracerl's own ones too). A
+call that arrives for a finished rollout is recorded apart, in ``calls/_late.jsonl``, never in
+its trajectory.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ def late_calls_path(store: ModelStore) -> Path:
 
 def read_spans(store: ModelStore, rollout_id: str) -> list[Span]:
     """The spans posted for ``rollout_id``, in start order."""
-    spans = [Span.model_validate(r) for r in read_jsonl(spans_path(store, rollout_id))]
+    spans = [Span.model_validate(s) for r in read_jsonl(spans_path(store, rollout_id))
+             for s in r.get("spans", [])]
     return sorted(spans, key=lambda s: s.start_time)
 
 
@@ -282,9 +284,8 @@ class ExternalRollouts:
     def add_spans(self, rollout_id: str, spans: list[Span], model: str | None) -> int:
         store = self._store_for_spans(rollout_id, model)
         path = spans_path(store, rollout_id)
-        with self._lock:
-            for span in spans:
-                append_jsonl(path, span.model_dump(mode="json"))
+        with self._lock:  # one line per post: a post is kept whole or not at all
+            append_jsonl(path, {"spans": [span.model_dump(mode="json") for span in spans]})
         return len(spans)
 
     def _store_for_spans(self, rollout_id: str, model: str | None) -> ModelStore:
