@@ -53,6 +53,11 @@ CHECKS = ("calls_recorded", "token_ids", "logprobs", "prompt_continues", "tool_c
           "no_markup", "protocol_in_record", "span_tree")
 CLIENT_ROW = Row(run=None)  # type: ignore[arg-type]  # two calls, no span tree of its own
 A, B = 3, 4
+NOTES = {"span tree": "only agent frameworks have one; the client libraries show \"—\"",
+         "litellm proxy": "the proxy records no spans yet, so its span tree shows \"—\"",
+         "agents-sdk handoff": "three calls (triage, then the math agent twice); the prompt "
+                               "continues within the math agent (the handoff changes the "
+                               "system prompt)"}
 
 
 def conversation() -> list[dict[str, Any]]:
@@ -270,6 +275,7 @@ def write_results(engine: str, runs: dict[str, Any]) -> None:
     if results.get("checks") != list(CHECKS):
         results = {"model": "SmolLM2-135M-Instruct (chatml-tools, hermes)",
                    "checks": list(CHECKS), "engines": {}}
+    results["notes"] = NOTES
     results["engines"][engine] = runs
     RESULTS.write_text(json.dumps(results, indent=1, sort_keys=False) + "\n")
 
