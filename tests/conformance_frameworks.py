@@ -302,7 +302,8 @@ def litellm_tree(traj: tracerl.Trajectory) -> bool:
 
 async def litellm_proxy(model: Any, env: dict[str, Any]) -> tracerl.Trajectory:
     """The openai client against ``tracerl proxy`` (a LiteLLM proxy), the rollout named by the
-    ``x-rollout-id`` header as an agent in any language would send it."""
+    ``x-rollout-id`` header as an agent in any language would send it; the trajectory takes
+    the rollout's records from the model (the agent never called the model's endpoint)."""
     from tests.test_conformance_harnesses import openai_chat
     from tracerl.core.context import ROLLOUT_HEADER, current_rollout
 
@@ -314,7 +315,8 @@ async def litellm_proxy(model: Any, env: dict[str, Any]) -> tracerl.Trajectory:
     contents = await openai_chat(proxy.base_url.removesuffix("/v1"), proxy.master_key,
                                  model.name, False,
                                  headers={ROLLOUT_HEADER: rollout.rollout_id})
-    return tracerl.Trajectory(reward=0.0, metadata={"contents": contents})
+    return tracerl.Trajectory(reward=0.0, metadata={"contents": contents},
+                              llm_calls=await model.fetch_calls(rollout.rollout_id))
 
 
 @dataclass(frozen=True)
