@@ -149,9 +149,10 @@ async def langgraph_checkpointer(model: Any, env: dict[str, Any]) -> tracerl.Tra
     return await graph_row(graph, model, config={"configurable": {"thread_id": "calculator"}})
 
 
-def nearest_node(span: Span, by_id: dict[str, Span]) -> str | None:
+def nearest(span: Span, by_id: dict[str, Span], kind: str) -> str | None:
+    """The name of ``span``'s nearest ancestor of ``kind`` (a graph node, an agent)."""
     cur = by_id.get(span.parent_id or "")
-    while cur is not None and cur.kind != "node":
+    while cur is not None and cur.kind != kind:
         cur = by_id.get(cur.parent_id or "")
     return cur.name if cur is not None else None
 
@@ -169,8 +170,8 @@ def graph_tree(model_node: str) -> Callable[[tracerl.Trajectory], bool]:
                 and [s.name for s in traj.spans if s.kind == "node"]
                 == [model_node, "tools", model_node]
                 and [s.call_id for s in llms] == [c.id for c in traj.llm_calls]
-                and all(nearest_node(s, by_id) == model_node for s in llms)
-                and [(t.name, nearest_node(t, by_id)) for t in tools] == [("add", "tools")]
+                and all(nearest(s, by_id, "node") == model_node for s in llms)
+                and [(t.name, nearest(t, by_id, "node")) for t in tools] == [("add", "tools")]
                 and all(roots[0].name in (c.metadata.get("span_path") or [])[:1]
                         for c in traj.llm_calls))
 
@@ -246,18 +247,12 @@ def agents_tree(agents: list[str], handoff: bool) -> Callable[[tracerl.Trajector
         tools = [s for s in traj.spans if s.kind == "tool"]
         handoffs = [s.name for s in traj.spans if s.kind == "handoff"]
 
-        def agent_of(span: Span) -> str | None:
-            cur = by_id.get(span.parent_id or "")
-            while cur is not None and cur.kind != "agent":
-                cur = by_id.get(cur.parent_id or "")
-            return cur.name if cur is not None else None
-
         paired = sorted(s.call_id or "" for s in traj.spans if s.kind == "llm")
         return ([s.name for s in agent_spans] == agents
                 and paired == sorted(c.id for c in traj.llm_calls)
                 and all(set(agents) & set(c.metadata.get("span_path") or [])
                         for c in traj.llm_calls)
-                and [(t.name, agent_of(t)) for t in tools] == [("add", "math_agent")]
+                and [(t.name, nearest(t, by_id, "agent")) for t in tools] == [("add", "math_agent")]
                 and handoffs == (["triage -> math_agent"] if handoff else []))
 
     return check
