@@ -316,7 +316,7 @@ async def litellm_proxy(model: Any, env: dict[str, Any]) -> tracerl.Trajectory:
 
 @dataclass(frozen=True)
 class Row:
-    run: Callable[[Any, dict[str, Any]], Awaitable[tracerl.Trajectory]]
+    run: Callable[[Any, dict[str, Any]], Awaitable[tracerl.Trajectory]] | None = None  # agent
     calls: int = 2  # how many calls the harness makes
     continues: tuple[tuple[int, int], ...] = ((0, 1),)  # (earlier, later) calls of one agent
     protocol: str | None = None
