@@ -361,3 +361,39 @@ def test_a_fixed_thread_id_is_kept_apart_per_rollout(agent_model):
     assert second["configurable"]["thread_id"] == f"t/{b.rollout_id}"
     assert per_input["configurable"]["thread_id"] == "x"  # a per-rollout config is the user's
     assert fixed == {"configurable": {"thread_id": "t"}}  # the given config is not changed
+
+
+async def test_the_viewer_shows_a_langgraph_rollouts_span_tree(react_groups, tmp_path):
+    """The live viewer on a folder holding real LangGraph rollouts: the trajectory's span tree
+    is the graph's (nodes, tool, chat model calls), each llm span naming a call the page lists,
+    and the page draws it in a real headless Chromium."""
+    import shutil
+    import subprocess
+    import urllib.request
+
+    from tracerl.core.trajectory import write_groups_jsonl
+    from tracerl.viewer import Viewer
+
+    (tmp_path / "history.jsonl").write_text(json.dumps({"step": 0, "split": "val"}) + "\n")
+    write_groups_jsonl(tmp_path / "trajectories" / "val" / "0000.jsonl", react_groups)
+    with Viewer(tmp_path) as viewer:
+        url = viewer.url.rstrip("/")
+        with urllib.request.urlopen(f"{url}/api/trajectory/val/0/0/0", timeout=30) as r:
+            shown = json.loads(r.read())
+        kinds = [s["kind"] for s in shown["spans"]]
+        assert [s["name"] for s in shown["spans"] if s["kind"] == "node"] == [
+            "model", "tools", "model"]
+        assert "tool" in kinds
+        assert [s["call_id"] for s in shown["spans"] if s["kind"] == "llm"] == [
+            c["id"] for c in shown["calls"]]
+        chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+        if chromium is None:
+            pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
+        page = subprocess.run(
+            [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+             f"--user-data-dir={tmp_path / 'chromium'}", "--virtual-time-budget=10000",
+             "--dump-dom", f"{url}/#traj=val/0/0/0"],
+            capture_output=True, text=True, timeout=120)
+    dom = page.stdout
+    assert "<h3>Spans</h3>" in dom, page.stderr[-2000:]
+    assert "node <b>tools</b>" in dom and "tool <b>add</b>" in dom

@@ -15,7 +15,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,6 +143,28 @@ class _SwapLock:
         finally:
             self._open.set()
             self._swapper.release()
+
+
+class KeyRequired:
+    """ASGI middleware: answer a request that ``check`` refuses before any route runs.
+
+    Plain ASGI rather than ``@app.middleware("http")``: Starlette's ``BaseHTTPMiddleware`` wraps
+    every request and response in a task group and a memory stream, a per-call cost the gateway
+    pays hundreds of times a second (``benchmarks/rollout_throughput.py`` with
+    ``benchmarks/instant_vllm``).
+    """
+
+    def __init__(self, app: Any, *, check: Callable[[Request], JSONResponse | None],
+                 exempt: tuple[str, ...] = (), only_under: str = "/") -> None:
+        self.app, self.check, self.exempt, self.only_under = app, check, exempt, only_under
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if (scope["type"] == "http" and scope["path"] not in self.exempt
+                and scope["path"].startswith(self.only_under)
+                and (denied := self.check(Request(scope))) is not None):
+            await denied(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 @dataclass(frozen=True)
@@ -368,12 +390,8 @@ class Gateway:
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="tracerl gateway", docs_url=None, redoc_url=None)
 
-        @app.middleware("http")
-        async def authenticate_first(request: Request, call_next: Any) -> Any:
-            # before any route reads the body; the schema and unknown routes are covered too
-            if request.url.path != "/health" and (denied := self.check_auth(request)):
-                return denied
-            return await call_next(request)
+        # before any route reads the body; the schema and unknown routes are covered too
+        app.add_middleware(KeyRequired, check=self.check_auth, exempt=("/health",))
 
         @app.exception_handler(StarletteHTTPException)
         async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import logging
 import os
 import socket
@@ -132,6 +133,25 @@ class _ServingOnGateway:
         await self.gateway.call(self.route.swap_adapter(step, served))
         keep = set(self.route.versions) | {step}
         await asyncio.to_thread(self.publisher.retire, name, keep)
+
+
+def freeze_long_lived_objects() -> None:
+    """Move every object alive now (modules, the model, the engine's state) out of the cyclic
+    garbage collector's sight (:func:`gc.freeze`), as vLLM's server does after start-up.
+
+    Each gateway call decodes an engine reply of ~1,000 containers; the collections those
+    allocations trigger walked the whole heap again and again, and were most of the gateway's CPU
+    (``benchmarks/rollout_throughput.py`` over ``benchmarks/instant_vllm``: 2x calls per second
+    once frozen). Each call first unfreezes and collects, so what an earlier freeze held and has
+    since become garbage (a dropped engine, say) is reclaimed then. ``TRACERL_GC_FREEZE=0``
+    leaves the collector as it is.
+    """
+    if os.environ.get("TRACERL_GC_FREEZE", "1") == "0":
+        return
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+    log.debug("froze %d long-lived objects", gc.get_freeze_count())
 
 
 class LocalBackend(Backend):
@@ -310,6 +330,7 @@ class LocalBackend(Backend):
         step = store.latest_step()
         if step > 0 and route.step != step:
             await self._gateway().call(route.swap_adapter(step, store.checkpoint_dir(step)))
+        freeze_long_lived_objects()
         return InferenceEndpoint(self.base_url, self.api_key or "tracerl-local",
                                  self.gateway.model_id(route))
 

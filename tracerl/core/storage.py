@@ -110,9 +110,13 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
     (a crash mid-append); a failed write is cut back off, so no torn line is left behind."""
     path = Path(path)
     line = (json.dumps(record, allow_nan=False) + "\n").encode()
+    flags = os.O_RDWR | os.O_CREAT | os.O_APPEND
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            fd = os.open(path, flags, 0o644)
+        except FileNotFoundError:  # the first record of its folder: a stat per call saved
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, flags, 0o644)
     except OSError as e:
         raise storage_error(e, "record", path) from e
     try:

@@ -16,7 +16,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..backend.chat_template import builtin_templates
-from ..backend.gateway import error_response
+from ..backend.gateway import KeyRequired, error_response
 from ..backend.request_body import parse_json_object, read_limited_body
 from ..backend.weights import SMOLLM2_ALIASES
 from ..core.config import ModelConfig, TrainConfig
@@ -135,11 +135,7 @@ class ControlServer:
         async def tracerl_error(request: Request, e: TracerlError) -> JSONResponse:
             return error_response(e)
 
-        @app.middleware("http")
-        async def authenticate(request: Request, call_next: Any) -> Any:
-            if request.url.path.startswith(API_PREFIX + "/") and (denied := check_auth(request)):
-                return denied
-            return await call_next(request)
+        app.add_middleware(KeyRequired, check=check_auth, only_under=API_PREFIX + "/")
 
         @router.get("/status")
         async def status() -> dict[str, Any]:
