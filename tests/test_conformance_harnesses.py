@@ -183,7 +183,7 @@ async def openai_node(node_modules: Path, api: str, base: str, key: str, model: 
         "node", str(ROOT / "conformance_harness.cjs"), stdin=subprocess.PIPE,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         env={**os.environ, "NODE_PATH": str(node_modules)})
-    out, err = await asyncio.wait_for(proc.communicate(json.dumps(request).encode()), 180)
+    out, err = await asyncio.wait_for(proc.communicate(json.dumps(request).encode()), 300)
     assert proc.returncode == 0, err.decode()[-2000:]
     return json.loads(out)["contents"]
 
