@@ -44,6 +44,7 @@ from .core.trajectory import (
     TrajectoryGroup,
 )
 from .rollout.client import rollout_headers
+from .rollout.external import gather_external_groups
 from .rollout.gather import gather_trajectories, gather_trajectory_groups
 from .rollout.model import Model, TrainableModel
 from .rollout.pipeline import PipelineTrainer, RolloutPipeline, TrainedStep
@@ -130,6 +131,7 @@ __all__ = [
     "current_rollout",
     "current_trajectory",
     "dev",
+    "gather_external_groups",
     "gather_trajectories",
     "gather_trajectory_groups",
     "hookimpl",

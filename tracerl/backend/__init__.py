@@ -6,6 +6,8 @@ In flow order (one request, then one training step):
 - ``request_validation.py``: each request field checked (OpenAI-style 400 naming it) before use.
 - ``http_limits.py``: uvicorn's h11 protocol with a deadline on each request head.
 - ``protocols/``: Responses and Anthropic Messages, rendered on the chat path.
+- ``external_rollouts.py``: the rollout API (``/v1/rollouts``) for services outside the
+  trainer's process: open, spans, reward, finish; the trainer takes finished groups once.
 - ``recorder.py``: turns engine answers into token-exact ``LLMCall`` records, kept per rollout.
 - ``engines/``: vLLM (a server subprocess) and transformers (in process) behind ``Engine``;
   a replica set routes over several servers.

@@ -44,6 +44,7 @@ from ..core.errors import (
 from ..core.lifecycle import llm_call_recorded
 from ..core.storage import ModelStore, validate_name
 from ..core.watchdog import watch
+from .external_rollouts import ExternalRollouts
 from .protocols.anthropic_messages import AnthropicMessages
 from .protocols.base import Exchange
 from .protocols.responses import Responses
@@ -308,7 +309,8 @@ class Gateway:
         self.api_key = api_key
         self.restart_grace_s = restart_grace_s
         self.models: dict[str, ServedModel] = {}  # by project/name
-        self.calls = CallStore()
+        self.rollouts = ExternalRollouts(self)  # the rollout API for outside services
+        self.calls = CallStore(divert=self.rollouts.divert_late)
         self.protocols = {"responses": Responses(), "anthropic.messages": AnthropicMessages()}
         self._restarts: dict[int, asyncio.Task] = {}
         self._streams: set[asyncio.Task] = set()  # stream pumps in flight (kept referenced)
@@ -406,6 +408,8 @@ class Gateway:
             where = ".".join(str(p) for p in first.get("loc", ()))
             return openai_error(400, f"invalid {where}: {first.get('msg', 'invalid value')}",
                                 param=where or None, code="invalid_request")
+
+        self.rollouts.install(app, error_response)
 
         @app.get("/health")
         async def health() -> dict[str, Any]:  # no key needed, so it tells nothing about models

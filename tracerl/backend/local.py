@@ -26,6 +26,7 @@ from ..core.hookspecs import hookimpl
 from ..core.model_spec import ModelLike, ModelSpec, spec_of
 from ..core.net import is_loopback
 from ..core.plugins import collect_classes
+from ..core.spans import Span
 from ..core.storage import ModelStore
 from ..core.trajectory import (
     LLMCall,
@@ -37,6 +38,7 @@ from ..core.trajectory import (
 from ..core.watchdog import watch
 from .engines.replica_set import build_engine
 from .publishing import AdapterPublisher
+from .training.health import claim_rollouts
 from .training.sft import sft_step
 from .training.step import train_step
 
@@ -347,6 +349,25 @@ class LocalBackend(Backend):
     async def fetch_calls(self, model: ModelLike, rollout_id: str) -> list[LLMCall]:
         return self.gateway.calls.take(self.store(model), rollout_id)
 
+    async def fetch_spans(self, model: ModelLike, rollout_id: str) -> list[Span]:
+        from .external_rollouts import read_spans, spans_path
+
+        store = self.store(model)
+        if not spans_path(store, rollout_id).exists():  # most rollouts: no thread hop
+            return []
+        return await asyncio.to_thread(read_spans, store, rollout_id)
+
+    async def take_external_groups(self, model: ModelLike, n_groups: int, request_id: str
+                                   ) -> list[TrajectoryGroup]:
+        from .external_rollouts import build_groups
+
+        store = self.store(model)
+        taken = await asyncio.to_thread(self.gateway.rollouts.take, store, n_groups, request_id)
+        return await asyncio.to_thread(build_groups, taken, store, self.gateway.calls)
+
+    async def external_rollouts_status(self, model: ModelLike) -> dict[str, int]:
+        return self.gateway.rollouts.counts(self.store(model))
+
     async def log(self, model: ModelLike, groups: list[TrajectoryGroup], split: str, step: int,
                   metrics: dict[str, float]) -> None:
         store = self.store(model)
@@ -358,6 +379,7 @@ class LocalBackend(Backend):
         new = [g for g in groups if g.model_dump_json() not in saved]
         if new:
             write_groups_jsonl(path, new, append=True)
+            claim_rollouts(store, new)  # e.g. validation rollouts: their calls are no orphans
         store.log_history(step, split, metrics)
 
     async def history(self, model: ModelLike) -> list[dict[str, Any]]:

@@ -10,6 +10,7 @@ import copy
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -194,8 +195,10 @@ class CallStore:
 
     _FILE_LOCKS = 64
 
-    def __init__(self) -> None:
+    def __init__(self, divert: Callable[[ModelStore, str], Path | None] | None = None) -> None:
         self._file_locks = [threading.Lock() for _ in range(self._FILE_LOCKS)]
+        # where a rollout's call goes instead of its file (e.g. after its rollout finished)
+        self.divert = divert
 
     def _file_lock(self, path: Path) -> threading.Lock:
         return self._file_locks[hash(str(path)) % self._FILE_LOCKS]
@@ -203,6 +206,8 @@ class CallStore:
     def add(self, store: ModelStore, call: LLMCall) -> None:
         rid = call.rollout_id
         path = store.calls_path(rid) if rid is not None else store.unattributed_calls_path
+        if rid is not None and self.divert is not None:
+            path = self.divert(store, rid) or path
         record = call.model_dump(mode="json")
         with self._file_lock(path):
             append_jsonl(path, record)

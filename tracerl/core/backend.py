@@ -25,6 +25,7 @@ from .config import TrainConfig, TrainSFTConfig
 from .errors import ConfigError, InvalidTrajectoryError, TrainingError
 from .lifecycle import train_event
 from .model_spec import ModelLike, spec_of
+from .spans import Span
 from .trajectory import LLMCall, Trajectory, TrajectoryGroup, attach_scoped_calls
 
 log = logging.getLogger(__name__)
@@ -136,6 +137,25 @@ class Backend(ABC):
     @abstractmethod
     async def fetch_calls(self, model: ModelLike, rollout_id: str) -> list[LLMCall]:
         """The LLM calls the gateway recorded for ``rollout_id``."""
+
+    async def fetch_spans(self, model: ModelLike, rollout_id: str) -> list[Span]:
+        """The spans posted to the gateway for ``rollout_id`` (``POST /v1/rollouts/{id}/spans``,
+        e.g. by the LiteLLM proxy's callback); none where the backend keeps no spans."""
+        del model, rollout_id
+        return []
+
+    async def take_external_groups(self, model: ModelLike, n_groups: int, request_id: str
+                                   ) -> list[TrajectoryGroup]:
+        """``n_groups`` groups of rollouts that a service outside this process opened and
+        finished through the gateway's rollout API, or none while fewer are ready. Each
+        rollout is handed out once; the same ``request_id`` again returns the same groups
+        (a retried request)."""
+        raise TrainingError(f"{type(self).__name__} has no rollout API for outside services")
+
+    async def external_rollouts_status(self, model: ModelLike) -> dict[str, int]:
+        """Counts of the rollout API's rollouts: ``open``, ``finished`` (not handed out yet),
+        ``ready_groups``, ``handed_out``."""
+        raise TrainingError(f"{type(self).__name__} has no rollout API for outside services")
 
     @abstractmethod
     async def history(self, model: ModelLike) -> list[dict[str, Any]]:

@@ -13,6 +13,8 @@
     ├── NotRegisteredError (RuntimeError)     model_not_registered   404
     ├── PluginError (RuntimeError)            plugin_error           500
     ├── RolloutTimeoutError (TimeoutError)    rollout_timeout        504
+    ├── RolloutNotFoundError (LookupError)    rollout_not_found      404
+    ├── RolloutFinishedError (RuntimeError)   rollout_finished       409
     ├── TooManyExceptionsError (RuntimeError) too_many_exceptions    500
     ├── EngineError (RuntimeError)            engine_error           503
     │   ├── EngineUnavailableError            engine_unavailable     503
@@ -94,6 +96,14 @@ class PluginError(TracerlError, RuntimeError, code="plugin_error"):
 
 class RolloutTimeoutError(TracerlError, TimeoutError, code="rollout_timeout", status=504):
     """A rollout ran past its timeout."""
+
+
+class RolloutNotFoundError(TracerlError, LookupError, code="rollout_not_found", status=404):
+    """No rollout opened through the gateway's rollout API has this id."""
+
+
+class RolloutFinishedError(TracerlError, RuntimeError, code="rollout_finished", status=409):
+    """A rollout opened through the rollout API was already finished (its reward is final)."""
 
 
 class TooManyExceptionsError(TracerlError, RuntimeError, code="too_many_exceptions"):

@@ -321,6 +321,29 @@ async def calls_of(rollout: RolloutContext) -> list[LLMCall]:
     return calls
 
 
+async def spans_of(rollout: RolloutContext) -> list[Span]:
+    """The spans posted to the gateway for ``rollout`` (e.g. by the LiteLLM proxy's callback),
+    from every model it called, in start order."""
+    spans: list[Span] = []
+    for model in rollout.models.values():
+        fetch = getattr(model, "fetch_spans", None)
+        if fetch is not None:
+            spans.extend(await fetch(rollout.rollout_id))
+    spans.sort(key=lambda s: s.start_time)
+    return spans
+
+
+def fill_messages_from_calls(trajectory: Trajectory) -> None:
+    """A trajectory without messages gets its last chat call's conversation."""
+    if trajectory.messages_and_choices:
+        return
+    chats = [c for c in trajectory.llm_calls if c.endpoint == "chat.completions" and c.response]
+    if chats:
+        last = chats[-1]
+        choices = last.response.get("choices") or []
+        trajectory.messages_and_choices = [*last.request.get("messages", []), *choices[:1]]
+
+
 
 class RolloutException(_Validated):
     """A rollout that raised instead of returning a trajectory."""

@@ -30,10 +30,23 @@ from ..core.net import free_port, stop_process_group
 
 CALLBACK_MODULE = "tracerl_proxy_callback"
 
-CALLBACK_SOURCE = f'''"""Written by tracerl: forwards rollout attribution headers to its gateway."""
+CALLBACK_SOURCE = f'''"""Written by tracerl: forwards rollout attribution headers to its gateway,
+and posts one `llm` span per proxied call of a rollout to the gateway's span route, after the
+response (a failed post is logged; it never fails the call)."""
+import logging
+import uuid
+
+import httpx
 from litellm.integrations.custom_logger import CustomLogger
 
 FORWARD = ({ROLLOUT_HEADER!r}, {TAGS_HEADER!r})
+ROLLOUT_KEY = "tracerl_rollout_id"  # in the call's metadata, for the log events
+SPAN_POST_TIMEOUT_S = 10.0
+log = logging.getLogger("tracerl.proxy")
+
+
+def _seconds(t):
+    return t.timestamp() if hasattr(t, "timestamp") else float(t)
 
 
 class TracerlProxyCallback(CustomLogger):
@@ -46,7 +59,46 @@ class TracerlProxyCallback(CustomLogger):
             forward[{ROLLOUT_HEADER!r}] = str(body_rollout)
         if forward:
             data["extra_headers"] = {{**(data.get("extra_headers") or {{}}), **forward}}
+        if {ROLLOUT_HEADER!r} in forward:
+            data["metadata"] = {{**(data.get("metadata") or {{}}),
+                                ROLLOUT_KEY: forward[{ROLLOUT_HEADER!r}]}}
         return data
+
+    async def async_log_success_event(self, kwargs, response_obj, start_time, end_time):
+        await self._post_span(kwargs, response_obj, start_time, end_time, None)
+
+    async def async_log_failure_event(self, kwargs, response_obj, start_time, end_time):
+        error = kwargs.get("exception") or kwargs.get("traceback_exception") or "call failed"
+        await self._post_span(kwargs, None, start_time, end_time, str(error)[:2000])
+
+    async def _post_span(self, kwargs, response_obj, start_time, end_time, error):
+        try:
+            params = kwargs.get("litellm_params") or {{}}
+            rollout = (params.get("metadata") or {{}}).get(ROLLOUT_KEY)
+            api_base = params.get("api_base") or kwargs.get("api_base")
+            if not rollout or not api_base:
+                return
+            call_id = str(kwargs.get("litellm_call_id") or uuid.uuid4().hex)
+            metadata = params.get("metadata") or {{}}
+            model = str(metadata.get("model_group") or kwargs.get("model") or "")
+            span = {{"id": "litellm-" + call_id, "kind": "llm", "name": model,
+                    "framework": "litellm-proxy", "start_time": _seconds(start_time),
+                    "end_time": _seconds(end_time), "error": error,
+                    "response_id": getattr(response_obj, "id", None),
+                    "attributes": {{"litellm_call_id": call_id, "model": model}}}}
+            key = kwargs.get("api_key") or params.get("api_key")
+            headers = {{"authorization": f"Bearer {{key}}"}} if key else {{}}
+            base = str(api_base).rstrip("/")  # the endpoint's URL: keep up to its /v1
+            cut = base.rfind("/v1/")
+            url = f"{{base[:cut + 3] if cut >= 0 else base}}/rollouts/{{rollout}}/spans"
+            async with httpx.AsyncClient(timeout=SPAN_POST_TIMEOUT_S) as client:
+                r = await client.post(url, headers=headers, json={{"model": model,
+                                                                  "spans": [span]}})
+            if r.status_code >= 400:
+                log.warning("tracerl: the span of call %s was refused by the gateway: HTTP %s %s",
+                            call_id, r.status_code, r.text[:300])
+        except Exception as e:  # the call itself has been answered: never fail it
+            log.warning("tracerl: could not post the span of a proxied call: %r", e)
 
 
 recorder = TracerlProxyCallback()

@@ -48,6 +48,7 @@ from ..core.hookspecs import hookimpl
 from ..core.loops import PerLoop
 from ..core.model_spec import ModelLike, spec_of
 from ..core.net import is_loopback
+from ..core.spans import Span
 from ..core.trajectory import LLMCall, TrajectoryGroup, parse_group_lines
 from .wire import API_PREFIX, NDJSON, encode_groups
 
@@ -339,6 +340,24 @@ class RemoteBackend(Backend):
             "GET", f"{self._model_path(model)}/calls/{rollout_id}", model=model, answer=list
         )
         return [LLMCall.model_validate(c) for c in found]
+
+    async def fetch_spans(self, model: ModelLike, rollout_id: str) -> list[Span]:
+        found = await self._call(
+            "GET", f"{self._model_path(model)}/spans/{rollout_id}", model=model, answer=list
+        )
+        return [Span.model_validate(s) for s in found]
+
+    async def take_external_groups(self, model: ModelLike, n_groups: int, request_id: str
+                                   ) -> list[TrajectoryGroup]:
+        """Retried safely: the server hands the same groups to the same ``request_id``."""
+        response = await self._call(
+            "POST", self._model_path(model) + "/external/take", model=model, answer=None,
+            json_body={"n_groups": n_groups, "request_id": request_id})
+        return parse_group_lines(response.text.splitlines(), "external groups")
+
+    async def external_rollouts_status(self, model: ModelLike) -> dict[str, int]:
+        return await self._call("GET", self._model_path(model) + "/external/status",
+                                model=model, keys=("open", "ready_groups"))
 
     async def history(self, model: ModelLike) -> list[dict[str, Any]]:
         return await self._call("GET", self._model_path(model) + "/history", model=model,

@@ -196,6 +196,23 @@ class ControlServer:
             found = await self.backend.fetch_calls(self.model(project, name), rollout_id)
             return [c.model_dump(mode="json") for c in found]
 
+        @router.get("/models/{project}/{name}/spans/{rollout_id}")
+        async def spans(project: str, name: str, rollout_id: str) -> list[dict[str, Any]]:
+            validate_name("rollout id", rollout_id)
+            found = await self.backend.fetch_spans(self.model(project, name), rollout_id)
+            return [s.model_dump(mode="json") for s in found]
+
+        @router.post("/models/{project}/{name}/external/take")
+        async def take_external(project: str, name: str, request: Request) -> Response:
+            model, body = self.model(project, name), await self._json(request)
+            groups = await self.backend.take_external_groups(
+                model, body.get("n_groups"), validate_name("request id", body.get("request_id")))
+            return Response(group_lines(groups), media_type=NDJSON)
+
+        @router.get("/models/{project}/{name}/external/status")
+        async def external_status(project: str, name: str) -> dict[str, int]:
+            return await self.backend.external_rollouts_status(self.model(project, name))
+
         @router.get("/models/{project}/{name}/pending")
         async def pending(project: str, name: str) -> StreamingResponse:
             groups = await self.backend.pending_groups(self.model(project, name))

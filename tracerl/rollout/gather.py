@@ -34,6 +34,8 @@ from ..core.trajectory import (
     Trajectory,
     TrajectoryGroup,
     calls_of,
+    fill_messages_from_calls,
+    spans_of,
 )
 from ..core.watchdog import watch
 from .client import CLOSED_KEY
@@ -151,21 +153,13 @@ async def _attach_calls(trajectory: Trajectory, rollout: RolloutContext) -> None
         trajectory.llm_calls = await calls_of(rollout)
 
 
-def _fill_messages(trajectory: Trajectory) -> None:
-    """A trajectory returned without messages gets its last chat call's conversation."""
-    if trajectory.messages_and_choices:
-        return
-    chats = [c for c in trajectory.llm_calls if c.endpoint == "chat.completions" and c.response]
-    if chats:
-        last = chats[-1]
-        choices = last.response.get("choices") or []
-        trajectory.messages_and_choices = [*last.request.get("messages", []), *choices[:1]]
-
-
-def _attach_spans(trajectory: Trajectory, rollout: RolloutContext) -> None:
-    """Attach adapter spans and link each LLM span to its token record."""
+async def _attach_spans(trajectory: Trajectory, rollout: RolloutContext) -> None:
+    """Attach adapter spans, and those posted to the gateway (LiteLLM proxy), and link each
+    LLM span to its token record."""
     if rollout.spans and not trajectory.spans:
         trajectory.spans = list(rollout.spans)
+    have = {s.id for s in trajectory.spans}
+    trajectory.spans.extend(s for s in await spans_of(rollout) if s.id not in have)
     link_spans_to_calls(trajectory.spans, trajectory.llm_calls)
 
 
@@ -182,8 +176,8 @@ async def finish_rollout(trajectory: Any, rollout: RolloutContext) -> Trajectory
         trajectory.end_time = time.time()
     await _attach_calls(trajectory, rollout)
     rollout.metadata[CLOSED_KEY] = time.time()  # a call sent after this is warned about
-    _attach_spans(trajectory, rollout)
-    _fill_messages(trajectory)
+    await _attach_spans(trajectory, rollout)
+    fill_messages_from_calls(trajectory)
     trajectory_finished(trajectory)
     return trajectory
 

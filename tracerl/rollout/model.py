@@ -17,6 +17,7 @@ from ..core.lifecycle import step_logged, train_event
 from ..core.loops import PerLoop
 from ..core.metrics import summarize_groups
 from ..core.model_spec import ModelSpec
+from ..core.spans import Span
 from ..core.storage import validate_name
 from ..core.trajectory import LLMCall, Trajectory, TrajectoryGroup, attach_scoped_calls
 from . import client as _client
@@ -181,6 +182,12 @@ class Model:
         if self._backend is None:
             return []
         return await self._backend.fetch_calls(self.spec, rollout_id)
+
+    async def fetch_spans(self, rollout_id: str) -> list[Span]:
+        """The spans posted to the backend's gateway for ``rollout_id`` (LiteLLM proxy)."""
+        if self._backend is None:
+            return []
+        return await self._backend.fetch_spans(self.spec, rollout_id)
 
     # --- logging ---------------------------------------------------------------------------
 

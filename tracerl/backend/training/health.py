@@ -4,6 +4,9 @@ Every step logs these beside loss and reward (``history.jsonl``):
 
 - ``skipped_groups`` / ``groups``: groups with equal rewards (or one trajectory) carry no signal;
 - ``unattributed_calls``: calls the gateway recorded without a rollout id since the last step;
+- ``late_calls``: calls for a rollout-API rollout that arrived after it was finished;
+- ``orphan_calls``: calls recorded under a rollout id that no trained or logged trajectory
+  claimed;
 - ``prefix_mismatch_fraction``: turns whose prompt did not continue the previous call's tokens;
 - ``rendered_fraction``: rows trained on re-rendered text instead of the engine's tokens;
 - ``template_mismatch_fraction``: recorded prompts the trainer's chat template renders
@@ -17,17 +20,21 @@ Every step logs these beside loss and reward (``history.jsonl``):
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from ...core.storage import ModelStore, atomic_write_text
+from ...core.storage import ModelStore, append_jsonl, atomic_write_text, read_jsonl
 from ...core.trajectory import TrajectoryGroup
 
 log = logging.getLogger(__name__)
 
 UNATTRIBUTED_TOTAL = "unattributed_calls_total"
+CLAIMED = "_claimed.jsonl"  # in calls/: rollout ids trained so far, one line per step
+ORPHANS = "_orphans.json"  # in calls/: rollout ids unclaimed at the last step, and counted ones
 TOKEN_LOGPROBS_DIR = "token_logprobs"  # per step: engine and trainer logprobs of trained tokens
 TEMPLATE_SAMPLE = 8  # recorded prompts re-rendered per step to compare chat templates
 
@@ -83,19 +90,72 @@ def template_mismatches(groups: Iterable[TrajectoryGroup],
             "template_mismatch_fraction": mismatched / checked if checked else 0.0}
 
 
+def _lines(path: Path) -> int:
+    if not path.exists():
+        return 0
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def _since_last_step(store: ModelStore, path: Path, key: str) -> dict[str, float]:
+    """``key``: records added to ``path`` since the previous training step (whose history line
+    holds the running total, ``{key}_total``)."""
+    total, previous = _lines(path), 0.0
+    for entry in reversed(store.history()):
+        if entry.get("split") == "train" and f"{key}_total" in entry:
+            previous = float(entry[f"{key}_total"])
+            break
+    return {f"{key}_total": float(total), key: max(total - previous, 0.0)}
+
+
 def unattributed_calls(store: ModelStore) -> dict[str, float]:
     """Calls recorded without a rollout id since the previous training step."""
-    path = store.unattributed_calls_path
-    total = 0
-    if path.exists():
-        with open(path, "rb") as f:
-            total = sum(1 for line in f if line.strip())
-    previous = 0.0
-    for entry in reversed(store.history()):
-        if entry.get("split") == "train" and UNATTRIBUTED_TOTAL in entry:
-            previous = float(entry[UNATTRIBUTED_TOTAL])
-            break
-    return {UNATTRIBUTED_TOTAL: float(total), "unattributed_calls": max(total - previous, 0.0)}
+    return _since_last_step(store, store.unattributed_calls_path, "unattributed_calls")
+
+
+def late_calls(store: ModelStore) -> dict[str, float]:
+    """Calls that arrived for a rollout-API rollout after it was finished (recorded apart),
+    since the previous training step."""
+    from ..external_rollouts import late_calls_path  # (loads the web framework: not at import)
+
+    return _since_last_step(store, late_calls_path(store), "late_calls")
+
+
+def claim_rollouts(store: ModelStore, groups: Iterable[TrajectoryGroup]) -> None:
+    """Note the rollout ids of trained or logged groups (their calls are no orphans)."""
+    ids = sorted({rid for g in groups for rid in (
+        *(t.rollout_id for t in g.trajectories), *(e.rollout_id for e in g.exceptions)) if rid})
+    if ids:
+        append_jsonl(store.root / "calls" / CLAIMED, {"rollout_ids": ids})
+
+
+def orphan_calls(store: ModelStore, groups: Iterable[TrajectoryGroup]) -> dict[str, float]:
+    """Calls recorded under a rollout id that no trajectory claimed: a rollout id first seen
+    unclaimed at one step and still unclaimed at the next (no trajectory trained or logged so
+    far holds it, and it is no rollout-API rollout waiting to be handed out) is counted once,
+    with all its calls. A client that sends made-up ``x-rollout-id`` values, or rollouts
+    whose groups were dropped, show up here."""
+    from ..external_rollouts import pending_rollout_ids
+
+    calls_dir = store.root / "calls"
+    claim_rollouts(store, groups)
+    state_path = calls_dir / ORPHANS
+    claimed = {rid for r in read_jsonl(calls_dir / CLAIMED) for rid in r.get("rollout_ids", [])}
+    state = json.loads(state_path.read_text()) if state_path.exists() else {}
+    counted, seen = set(state.get("counted", [])), set(state.get("seen", []))
+    recorded = {p.stem for p in calls_dir.glob("*.jsonl") if not p.name.startswith("_")}
+    unclaimed = recorded - claimed - counted - pending_rollout_ids(store)
+    orphans = unclaimed & seen
+    n_calls = sum(_lines(store.calls_path(rid)) for rid in orphans)
+    if recorded or state:
+        atomic_write_text(state_path, json.dumps({"seen": sorted(unclaimed - orphans),
+                                                  "counted": sorted(counted | orphans)}))
+    return {"orphan_calls": float(n_calls), "orphan_rollouts": float(len(orphans))}
+
+
+def stray_calls(store: ModelStore, groups: Iterable[TrajectoryGroup]) -> dict[str, float]:
+    """The step's count of calls no trajectory holds: unattributed, late and orphan calls."""
+    return {**unattributed_calls(store), **late_calls(store), **orphan_calls(store, groups)}
 
 
 def ratios(metrics: dict[str, float]) -> dict[str, float]:
@@ -112,6 +172,8 @@ def ratios(metrics: dict[str, float]) -> dict[str, float]:
 THRESHOLDS: dict[str, float] = {
     "skipped_groups": 0.25,           # fraction of the step's groups
     "unattributed_calls": 1,          # calls since the previous step
+    "late_calls": 1,                  # calls since the previous step
+    "orphan_calls": 1,                # calls of rollout ids no trajectory claimed
     "prefix_mismatch_fraction": 0.2,  # of turns after the first
     "rendered_fraction": 0.01,        # of trained rows
     "template_mismatch_fraction": 0.01,
@@ -149,6 +211,20 @@ def step_warnings(m: dict[str, Any], thresholds: dict[str, float] | None = None
             "were not trained on",
             "make the calls inside gather_trajectory_groups / tracerl.rollout_scope with "
             "model.openai_client(), or send the x-rollout-id header"))
+    if float(m.get("late_calls", 0) or 0) >= t["late_calls"]:
+        out.append(HealthWarning(
+            "late_calls",
+            f"{m['late_calls']:.0f} calls reached the gateway after their rollout was finished "
+            "(POST /v1/rollouts/{id}/finish) and were not trained on",
+            "finish a rollout only once every call it made has returned"))
+    if float(m.get("orphan_calls", 0) or 0) >= t["orphan_calls"]:
+        out.append(HealthWarning(
+            "orphan_calls",
+            f"{m['orphan_calls']:.0f} calls were recorded under rollout ids that no trained or "
+            "logged trajectory claimed (made-up x-rollout-id values, failed rollouts, dropped "
+            "groups)",
+            "send the rollout id your trajectory gets (tracerl's clients, or the rollout_id "
+            "from POST /v1/rollouts), and finish every opened rollout"))
     checks = (
         ("prefix_mismatch_fraction",
          "prompt did not continue the previous call's tokens in {pct} of turns",

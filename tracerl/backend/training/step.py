@@ -61,7 +61,7 @@ async def train_step(step: int, groups: list[TrajectoryGroup], config: TrainConf
         return grpo_update(policy, groups, config,
                            on_trained=lambda rows: health.write_token_logprobs(store, step, rows))
 
-    summary = {**summarize_groups(groups), **health.unattributed_calls(store)}
+    summary = {**summarize_groups(groups), **health.stray_calls(store, groups)}
     async for event in run_update(step, update, summary=summary, store=store,
                                   load_policy=load_policy, serving=serving,
                                   heartbeat_s=heartbeat_s):

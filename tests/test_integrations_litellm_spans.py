@@ -1,0 +1,108 @@
+"""Spans of proxied calls: the LiteLLM proxy's callback posts one ``llm`` span per call of a
+rollout to the gateway, after the response; the span is linked to the gateway's token record,
+in trajectories gathered in-process and in those of rollouts opened by an outside service."""
+
+from __future__ import annotations
+
+import os
+
+import httpx2
+import pytest
+
+pytest.importorskip("litellm")
+
+import tracerl
+from tests.conftest import until
+from tracerl.integrations.litellm_proxy import LiteLLMProxy
+
+LITELLM_PYTHON = os.environ.get("TRACERL_LITELLM_PYTHON")
+HI = [{"role": "user", "content": "Say hi."}]
+
+
+@pytest.fixture(scope="module")
+def proxy(tf_backend, agent_model, tmp_path_factory):
+    if not LITELLM_PYTHON:
+        pytest.skip("TRACERL_LITELLM_PYTHON (a venv with LiteLLM's proxy) is not set")
+    backend, _ = tf_backend
+    with LiteLLMProxy(upstream_base_url=backend.base_url, model_names=["agent"],
+                      python=LITELLM_PYTHON, directory=tmp_path_factory.mktemp("proxy-spans")
+                      ) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+async def http(proxy):
+    async with httpx2.AsyncClient(base_url=proxy.base_url, timeout=120, headers={
+            "Authorization": f"Bearer {proxy.master_key}"}) as client:
+        yield client
+
+
+async def proxied_call(http: httpx2.AsyncClient, rollout_id: str, **body) -> httpx2.Response:
+    return await http.post("/chat/completions", headers={"x-rollout-id": rollout_id},
+                           json={"model": "agent", "max_tokens": 4, "messages": HI, **body})
+
+
+async def spans_posted(model, rollout_id: str, n: int = 1) -> list[tracerl.Span]:
+    """Wait (with a deadline) for the proxy's after-response span posts of ``rollout_id``."""
+    async def posted() -> bool:
+        return len(await model.fetch_spans(rollout_id)) >= n
+
+    await until(posted, f"the proxy to post {n} span(s) of rollout {rollout_id}", 60)
+    return await model.fetch_spans(rollout_id)
+
+
+@pytest.fixture(scope="module")
+async def in_process(http, agent_model):
+    """Two of tracerl's own rollouts calling through the proxy, gathered in-process."""
+    async def rollout(i: int) -> tracerl.Trajectory:
+        headers = tracerl.rollout_headers(agent_model)  # the rollout collects agent's records
+        r = await proxied_call(http, headers["x-rollout-id"])
+        r.raise_for_status()
+        await spans_posted(agent_model, headers["x-rollout-id"])
+        return tracerl.Trajectory(reward=float(i), metadata={"response_id": r.json()["id"]})
+
+    (group,) = await tracerl.gather_trajectory_groups(
+        [tracerl.TrajectoryGroup(rollout(i) for i in range(2))], show_progress=False)
+    return group
+
+
+async def test_an_in_process_rollout_through_the_proxy_carries_its_linked_span(in_process):
+    for t in in_process.trajectories:
+        (call,) = t.llm_calls
+        (span,) = t.spans
+        assert (span.kind, span.framework, span.name) == ("llm", "litellm-proxy", "agent")
+        assert span.call_id == call.id and call.metadata["span_id"] == span.id
+        assert span.response_id == call.response["id"]  # linked by the provider response id
+        assert span.error is None and span.start_time <= span.end_time
+        assert span.attributes["litellm_call_id"] in span.id
+
+
+async def test_an_outside_services_rollout_through_the_proxy_carries_its_span(http, agent_model,
+                                                                             tf_backend):
+    backend, _ = tf_backend
+    root = backend.base_url.removesuffix("/v1")
+    ids = []
+    async with httpx2.AsyncClient(base_url=root, timeout=60) as gateway:
+        for reward in (0.0, 1.0):
+            opened = (await gateway.post("/v1/rollouts", json={
+                "model": "agent", "group": "via-proxy", "group_size": 2})).json()
+            r = await proxied_call(http, opened["rollout_id"])
+            assert r.status_code == 200, r.text
+            await spans_posted(agent_model, opened["rollout_id"])
+            await gateway.post(f"/v1/rollouts/{opened['rollout_id']}/finish",
+                               json={"reward": reward})
+            ids.append(opened["rollout_id"])
+    (group,) = await tracerl.gather_external_groups(agent_model, 1, timeout_s=30)
+    assert [t.rollout_id for t in group.trajectories] == ids
+    for t in group.trajectories:
+        (call,), (span,) = t.llm_calls, t.spans
+        assert (span.framework, span.call_id, span.response_id) == (
+            "litellm-proxy", call.id, call.response["id"])
+
+
+async def test_a_call_the_gateway_refuses_is_a_failed_span(http, agent_model):
+    rollout_id = "ro-proxy-span-refused"
+    r = await proxied_call(http, rollout_id, temperature=-3)
+    assert r.status_code >= 400
+    (span,) = await spans_posted(agent_model, rollout_id)
+    assert span.error and span.call_id is None and span.response_id is None
