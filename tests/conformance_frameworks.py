@@ -287,18 +287,25 @@ async def litellm_sdk(model: Any, env: dict[str, Any]) -> tracerl.Trajectory:
     return tracerl.Trajectory(reward=0.0, metadata={"contents": contents})
 
 
-def litellm_tree(traj: tracerl.Trajectory) -> bool:
-    """One LiteLLM ``llm`` span per call, each paired with its own record by its span id."""
-    llms = [s for s in traj.spans if s.kind == "llm" and s.framework == "litellm"]
-    return (len(llms) == len(traj.spans) == len(traj.llm_calls)
-            and all(c.metadata.get("span_id") == s.id and s.call_id == c.id
-                    for s, c in zip(llms, traj.llm_calls, strict=True)))
+def litellm_tree(framework: str) -> Callable[[tracerl.Trajectory], bool]:
+    """One LiteLLM ``llm`` span per call (the SDK's logger, the proxy's callback), each paired
+    with its own record."""
+
+    def check(traj: tracerl.Trajectory) -> bool:
+        llms = [s for s in traj.spans if s.kind == "llm" and s.framework == framework]
+        return (len(llms) == len(traj.spans) == len(traj.llm_calls)
+                and all(c.metadata.get("span_id") == s.id and s.call_id == c.id
+                        for s, c in zip(llms, traj.llm_calls, strict=True)))
+
+    return check
 
 
 async def litellm_proxy(model: Any, env: dict[str, Any]) -> tracerl.Trajectory:
     """The openai client against ``tracerl proxy`` (a LiteLLM proxy), the rollout named by the
-    ``x-rollout-id`` header as an agent in any language would send it; the trajectory takes
-    the rollout's records from the model (the agent never called the model's endpoint)."""
+    ``x-rollout-id`` header as an agent in any language would send it. The agent never called
+    the model's endpoint itself, so the rollout is told which model served it; its records and
+    the spans the proxy posts after each response come back by rollout id (awaited here)."""
+    from tests.conftest import until
     from tests.test_conformance_harnesses import openai_chat
     from tracerl.core.context import ROLLOUT_HEADER, current_rollout
 
@@ -310,8 +317,13 @@ async def litellm_proxy(model: Any, env: dict[str, Any]) -> tracerl.Trajectory:
     contents = await openai_chat(proxy.base_url.removesuffix("/v1"), proxy.master_key,
                                  model.name, False,
                                  headers={ROLLOUT_HEADER: rollout.rollout_id})
-    return tracerl.Trajectory(reward=0.0, metadata={"contents": contents},
-                              llm_calls=await model.fetch_calls(rollout.rollout_id))
+    rollout.touch(model)
+
+    async def posted() -> bool:
+        return len(await model.fetch_spans(rollout.rollout_id)) >= len(contents)
+
+    await until(posted, "the proxy's spans of the rollout", timeout_s=30, every_s=0.1)
+    return tracerl.Trajectory(reward=0.0, metadata={"contents": contents})
 
 
 @dataclass(frozen=True)
@@ -338,6 +350,6 @@ ROWS: dict[str, Row] = {
                               span_tree=agents_tree(["triage", "math_agent"], True)),
     "agents-sdk run_streamed": Row(agents_streamed,
                                    span_tree=agents_tree(["math_agent"], False)),
-    "litellm sdk": Row(litellm_sdk, span_tree=litellm_tree),
-    "litellm proxy": Row(litellm_proxy),  # proxy spans: wired by the lead at merge
+    "litellm sdk": Row(litellm_sdk, span_tree=litellm_tree("litellm")),
+    "litellm proxy": Row(litellm_proxy, span_tree=litellm_tree("litellm-proxy")),
 }

@@ -54,7 +54,6 @@ CHECKS = ("calls_recorded", "token_ids", "logprobs", "prompt_continues", "tool_c
 CLIENT_ROW = Row()  # a client library's run: two calls, no span tree of its own
 A, B = 3, 4
 NOTES = {"span tree": "only agent frameworks have one; the client libraries show \"—\"",
-         "litellm proxy": "the proxy records no spans yet, so its span tree shows \"—\"",
          "agents-sdk handoff": "three calls (triage, then the math agent twice); the prompt "
                                "continues within the math agent (the handoff changes the "
                                "system prompt)"}
