@@ -302,12 +302,12 @@ def litellm_tree(framework: str) -> Callable[[tracerl.Trajectory], bool]:
 
 async def litellm_proxy(model: Any, env: dict[str, Any]) -> tracerl.Trajectory:
     """The openai client against ``tracerl proxy`` (a LiteLLM proxy), the rollout named by the
-    ``x-rollout-id`` header as an agent in any language would send it. The agent never called
-    the model's endpoint itself, so the rollout is told which model served it; its records and
-    the spans the proxy posts after each response come back by rollout id (awaited here)."""
+    ``x-rollout-id`` header from ``tracerl.rollout_headers(model)``, as the README shows (it
+    also tells the rollout which model serves it); its records and the spans the proxy posts
+    after each response come back by rollout id (awaited here)."""
     from tests.conftest import until
     from tests.test_conformance_harnesses import openai_chat
-    from tracerl.core.context import ROLLOUT_HEADER, current_rollout
+    from tracerl.core.context import current_rollout
 
     if env["proxy"] is None:
         raise NotHere("TRACERL_LITELLM_PYTHON (a venv with LiteLLM's proxy) is not set")
@@ -315,9 +315,7 @@ async def litellm_proxy(model: Any, env: dict[str, Any]) -> tracerl.Trajectory:
     rollout = current_rollout()
     assert rollout is not None
     contents = await openai_chat(proxy.base_url.removesuffix("/v1"), proxy.master_key,
-                                 model.name, False,
-                                 headers={ROLLOUT_HEADER: rollout.rollout_id})
-    rollout.touch(model)
+                                 model.name, False, headers=tracerl.rollout_headers(model))
 
     async def posted() -> bool:
         return len(await model.fetch_spans(rollout.rollout_id)) >= len(contents)
