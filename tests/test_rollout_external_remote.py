@@ -11,15 +11,14 @@ import pytest
 
 import tracerl
 
-from .remote_server import API_KEY, ServerProcess
+from .remote_server import API_KEY
 from .test_rollout_external import CONFIG, run_service
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("remote-external")).start()
-    yield srv
-    srv.stop()
+def server(faults_server):
+    """The session's ``tracerl serve`` process (one server start less in CI)."""
+    return faults_server
 
 
 @pytest.fixture(scope="module")
