@@ -237,8 +237,12 @@ def litellm_logger() -> Any:
     from tracerl.integrations.litellm import TracerlLiteLLMLogger
 
     before = litellm.callbacks
-    litellm.callbacks = [TracerlLiteLLMLogger()]
-    yield litellm.callbacks[0]
+    logger = TracerlLiteLLMLogger()
+    litellm.callbacks = [logger]
+    yield logger
+    # LiteLLM copies callbacks into internal lists: take it out of those too, or it keeps
+    # recording spans beside a later module's logger
+    litellm.logging_callback_manager.remove_callback_from_all_lists(logger)
     litellm.callbacks = before
 
 

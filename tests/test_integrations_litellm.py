@@ -30,6 +30,7 @@ def logger():
     lg = TracerlLiteLLMLogger()
     litellm.callbacks = [lg]
     yield lg
+    litellm.logging_callback_manager.remove_callback_from_all_lists(lg)
     litellm.callbacks = []
 
 
