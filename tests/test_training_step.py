@@ -237,3 +237,39 @@ def test_resume_after_kill_9_trains_the_pending_step_from_its_saved_trajectories
         "pending_have_tokens": True,
         "step_after_training": 2,
     }
+
+
+async def test_a_policy_closed_to_bound_memory_reloads_exactly_from_its_checkpoint(tf_backend):
+    """With one resident policy, training model B closes model A's; A's policy then reloads
+    from its newest checkpoint with the same LoRA weights and Adam state it had."""
+    import torch
+
+    from tracerl.core.model_spec import spec_of
+
+    backend, _ = tf_backend
+    a, b = (tracerl.TrainableModel(name=f"resident-{x}", project="tests", base_model="smollm2")
+            for x in "ab")
+    for m in (a, b):
+        await m.register(backend)
+    await a.train(await _rollouts(a, [0.0, 1.0]), config=tracerl.TrainConfig(learning_rate=1e-3))
+    key_a, key_b = (str(backend.store(m).root) for m in (a, b))
+    kept = backend._policies[key_a]  # private: the policy in memory has no public handle
+    lora = {n: p.detach().clone() for n, p in kept.model.named_parameters() if p.requires_grad}
+    adam = {i: {k: v.clone() for k, v in s.items()}
+            for i, s in kept.optimizer.state_dict()["state"].items()}
+    del kept
+    backend.resident_policies = 1
+    try:
+        await b.train(await _rollouts(b, [0.0, 1.0]),
+                      config=tracerl.TrainConfig(learning_rate=1e-3))
+        assert list(backend._policies) == [key_b]
+        reloaded = backend._policy(spec_of(a))
+        assert list(backend._policies) == [key_a]
+    finally:
+        backend.resident_policies = 2
+    again = {n: p.detach() for n, p in reloaded.model.named_parameters() if p.requires_grad}
+    assert again.keys() == lora.keys()
+    assert all(torch.equal(again[n], lora[n]) for n in lora)
+    state = reloaded.optimizer.state_dict()["state"]
+    assert state.keys() == adam.keys()
+    assert all(torch.equal(state[i][k], v) for i, s in adam.items() for k, v in s.items())

@@ -166,7 +166,12 @@ class LocalBackend(Backend):
 
     ``trainer=DistributedTrainerConfig(...)`` trains with torch.distributed ranks (DDP or
     FSDP2) started by a launcher plugin (``local``: torchrun; ``ray``: Ray actors, which then
-    host the inference engines too) instead of in this process."""
+    host the inference engines too) instead of in this process.
+
+    ``resident_policies`` bounds how many trained models keep their policy (base weights, LoRA,
+    optimizer) in memory: training one more model first closes the least recently trained
+    one, which later resumes exactly from its newest checkpoint (adapter and optimizer state).
+    """
 
     name = "local"
 
@@ -174,10 +179,14 @@ class LocalBackend(Backend):
                  api_key: str | None = None, engine: str | None = None,
                  in_process: bool = False, heartbeat_s: float = 30.0,
                  placement: dict[str, Any] | None = None,
-                 trainer: DistributedTrainerConfig | None = None) -> None:
+                 trainer: DistributedTrainerConfig | None = None,
+                 resident_policies: int = 2) -> None:
         from .gateway import Gateway
 
         del in_process
+        if resident_policies < 1:
+            raise ConfigError(f"resident_policies must be at least 1, not {resident_policies}")
+        self.resident_policies = resident_policies
         if not is_loopback(host) and not api_key:
             raise ConfigError(f"binding the gateway to {host} needs an api_key "
                               "(loopback is the default)")
@@ -285,6 +294,10 @@ class LocalBackend(Backend):
 
         store = self.store(model)
         key = str(store.root)
+        if key in self._policies:  # the most recently trained model goes last
+            self._policies[key] = self._policies.pop(key)
+        else:
+            self._close_least_recent_policies(len(self._policies) + 1 - self.resident_policies)
         if key not in self._policies and self.trainer is not None:
             step = store.latest_step()
             self._policies[key] = start_distributed_policy(
@@ -300,6 +313,19 @@ class LocalBackend(Backend):
                 chat_template=model.config.engine.chat_template,
             )
         return self._policies[key]
+
+    def _close_least_recent_policies(self, count: int) -> None:
+        """Close the ``count`` least recently trained policies and reclaim their memory (their
+        models reload from their checkpoints when they train again)."""
+        if count <= 0:
+            return
+        for key in list(self._policies)[:count]:
+            log.info("closing the policy of %s to keep %d in memory; it resumes from its "
+                     "newest checkpoint when it trains again", key, self.resident_policies)
+            self._policies.pop(key).close()
+        freeze_long_lived_objects()  # the closed policies may have been frozen: collect them
+        if os.environ.get("TRACERL_GC_FREEZE", "1") == "0":
+            gc.collect()
 
     # --- Backend API -----------------------------------------------------------------------
 
