@@ -84,3 +84,14 @@ class ServerProcess:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.kill9()
+
+
+async def registered_on(url: str, name: str, project: str, config: object) -> object:
+    """A SmolLM2 ``TrainableModel`` registered on the server at ``url`` through a
+    ``RemoteBackend`` with the test key (close it with ``model.backend.close()``)."""
+    import tracerl
+
+    model = tracerl.TrainableModel(name=name, project=project, base_model="smollm2",
+                                   config=config)
+    await model.register(tracerl.RemoteBackend(url, api_key=API_KEY))
+    return model

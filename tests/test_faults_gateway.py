@@ -17,7 +17,7 @@ import pytest
 
 import tracerl
 from tests.conftest import until
-from tests.remote_server import API_KEY
+from tests.remote_server import API_KEY, registered_on
 from tracerl.core.storage import ModelStore, read_jsonl
 from tracerl.rollout.client import async_client
 
@@ -53,12 +53,9 @@ def calls_on_disk(store: ModelStore, rollout_id: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 async def faults_model(faults_server):
-    backend = tracerl.RemoteBackend(faults_server.url, api_key=API_KEY)
-    model = tracerl.TrainableModel(name="faults", project="fa", base_model="smollm2",
-                                   config=CONFIG)
-    await model.register(backend)
+    model = await registered_on(faults_server.url, "faults", "fa", CONFIG)
     yield model
-    await backend.close()
+    await model.backend.close()
 
 
 async def _rollout(model: tracerl.Model, i: int) -> tracerl.Trajectory:

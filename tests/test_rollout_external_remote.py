@@ -11,7 +11,7 @@ import pytest
 
 import tracerl
 
-from .remote_server import API_KEY
+from .remote_server import API_KEY, registered_on
 from .test_rollout_external import CONFIG, run_service
 
 
@@ -23,16 +23,13 @@ def server(faults_server):
 
 @pytest.fixture(scope="module")
 async def remote(server):
-    backend = tracerl.RemoteBackend(server.url, api_key=API_KEY)
-    model = tracerl.TrainableModel(name="ext-remote", project="tests", base_model="smollm2",
-                                   config=CONFIG)
-    await model.register(backend)
+    model = await registered_on(server.url, "ext-remote", "tests", CONFIG)
     service = await asyncio.to_thread(run_service, server.url, model.get_inference_name(),
                                       "remote-group", API_KEY)
     groups = await tracerl.gather_external_groups(model, 1, timeout_s=60)
     metrics = await model.train(groups, tracerl.TrainConfig(learning_rate=1e-5))
     yield model, service, groups, metrics
-    await backend.close()
+    await model.backend.close()
 
 
 def test_the_rollout_api_needs_the_servers_key(server):
