@@ -170,9 +170,7 @@ class _ModelRollouts:
 
 def invalid(param: str, message: str) -> RequestError:
     """A 400 naming the body field ``param`` (the gateway's answer carries it)."""
-    error = RequestError(f"{param}: {message}")
-    error.param = param  # type: ignore[attr-defined]
-    return error
+    return RequestError(f"{param}: {message}", param=param)
 
 
 def _number(body: dict[str, Any], key: str, where: str | None = None) -> float:

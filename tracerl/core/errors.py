@@ -67,7 +67,12 @@ class ConfigError(TracerlError, ValueError, code="invalid_config", status=400):
 
 
 class RequestError(TracerlError, ValueError, code="invalid_request", status=400):
-    """An HTTP request is malformed (not JSON, not an object, a bad header...)."""
+    """An HTTP request is malformed (not JSON, not an object, a bad header...); ``param``
+    names the body field at fault, when there is one."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class BadBodyEncodingError(RequestError, code="bad_encoding"):
