@@ -137,7 +137,7 @@ class _ServingOnGateway:
         await asyncio.to_thread(self.publisher.retire, name, keep)
 
 
-def freeze_long_lived_objects() -> None:
+def freeze_long_lived_objects() -> bool:
     """Move every object alive now (modules, the model, the engine's state) out of the cyclic
     garbage collector's sight (:func:`gc.freeze`), as vLLM's server does after start-up.
 
@@ -146,14 +146,15 @@ def freeze_long_lived_objects() -> None:
     (``benchmarks/rollout_throughput.py`` over ``benchmarks/instant_vllm``: 2x calls per second
     once frozen). Each call first unfreezes and collects, so what an earlier freeze held and has
     since become garbage (a dropped engine, say) is reclaimed then. ``TRACERL_GC_FREEZE=0``
-    leaves the collector as it is.
+    leaves the collector as it is. Returns whether it froze (and so collected).
     """
     if os.environ.get("TRACERL_GC_FREEZE", "1") == "0":
-        return
+        return False
     gc.unfreeze()
     gc.collect()
     gc.freeze()
     log.debug("froze %d long-lived objects", gc.get_freeze_count())
+    return True
 
 
 class LocalBackend(Backend):
@@ -323,8 +324,7 @@ class LocalBackend(Backend):
             log.info("closing the policy of %s to keep %d in memory; it resumes from its "
                      "newest checkpoint when it trains again", key, self.resident_policies)
             self._policies.pop(key).close()
-        freeze_long_lived_objects()  # the closed policies may have been frozen: collect them
-        if os.environ.get("TRACERL_GC_FREEZE", "1") == "0":
+        if not freeze_long_lived_objects():  # frozen or not, the closed policies are collected
             gc.collect()
 
     # --- Backend API -----------------------------------------------------------------------
