@@ -1,6 +1,7 @@
 """The data model: trajectories, groups and call records round-trip losslessly and refuse bad
 input with a message naming the field."""
 
+import json
 import math
 
 import pytest
@@ -166,6 +167,7 @@ def test_a_bad_group_is_refused(case):
 BAD_COMPLETIONS = {
     "fewer-logprobs-than-tokens": (([1, 2], [-0.1]), "2 token ids but 1 logprobs"),
     "positive-logprob": (([1], [0.5]), "not a log-probability"),
+    "nan-logprob-after-good-ones": (([1, 2, 3], [-0.1, -0.2, float("nan")]), "logprob nan"),
 }
 
 
@@ -174,6 +176,21 @@ def test_a_bad_completion_record_is_refused(case):
     (token_ids, logprobs), message = BAD_COMPLETIONS[case]
     with pytest.raises(tracerl.InvalidTrajectoryError, match=message):
         tracerl.CompletionRecord(token_ids=token_ids, logprobs=logprobs)
+
+
+def test_a_call_record_line_is_the_json_of_its_fields():
+    call = make_trajectory().llm_calls[0]
+    call.request = {"messages": [{"role": "user", "content": "NaN, Infinity or 4721? é"}]}
+    line = call.json_line()
+    assert b"\n" not in line
+    assert json.loads(line) == call.model_dump(mode="json")  # text that says NaN is only text
+
+
+def test_a_call_record_with_a_non_finite_float_is_not_json():
+    call = make_trajectory().llm_calls[0]
+    call.completions[0].logprobs = [-0.5, float("-inf")]  # a log-probability, but not JSON
+    with pytest.raises(ValueError, match="not JSON compliant"):
+        call.json_line()
 
 
 # --- the train config ----------------------------------------------------------------------

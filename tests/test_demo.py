@@ -3,7 +3,7 @@ held-out reward."""
 
 import pytest
 
-from tracerl.demo import demo, number_reward
+from tracerl.demo import cosine, demo, number_reward
 
 REWARDS = {
     # id: (the answer, its reward for the number 4721)
@@ -18,6 +18,14 @@ REWARDS = {
 @pytest.mark.parametrize("answer, reward", REWARDS.values(), ids=list(REWARDS))
 def test_number_reward(answer, reward):
     assert number_reward(answer, "4721") == pytest.approx(reward)
+
+
+def test_the_learning_rate_falls_along_a_half_cosine_from_the_first_step_to_the_last():
+    rates = [cosine(step, 8, 2e-3, 5e-4) for step in range(1, 9)]
+    assert rates[0] == pytest.approx(2e-3) and rates[-1] == pytest.approx(5e-4)
+    assert rates == sorted(rates, reverse=True)
+    assert cosine(5, 9, 2e-3, 5e-4) == pytest.approx(1.25e-3)  # the middle step: halfway
+    assert cosine(3, 8, 2e-3, None) == 2e-3  # no end: constant
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import random
 import re
@@ -119,15 +120,26 @@ def write_plots(model_dir: Path) -> list[str]:
     return paths
 
 
+def cosine(step: int, steps: int, start: float, end: float | None) -> float:
+    """The learning rate of ``step`` (1-based): from ``start`` down to ``end`` along a half
+    cosine (constant when ``end`` is None)."""
+    if end is None or steps == 1:
+        return start
+    return end + (start - end) * 0.5 * (1 + math.cos(math.pi * (step - 1) / (steps - 1)))
+
+
 def _bar(value: float, width: int = 30) -> str:
     filled = round(max(0.0, min(1.0, value)) * width)
     return "#" * filled + "." * (width - filled)
 
 
 async def demo(steps: int, engine: str, base_path: str, group_size: int, groups_per_step: int,
-               learning_rate: float = 2e-3, eval_every: int = 4, seed: int = 0,
+               learning_rate: float = 2e-3, final_learning_rate: float | None = 5e-4,
+               eval_every: int = 4, seed: int = 0,
                trainer: tracerl.DistributedTrainerConfig | None = None) -> dict[str, object]:
     """Train and evaluate; returns the held-out evaluations and the train reward curve.
+    The learning rate falls from ``learning_rate`` to ``final_learning_rate`` along a half
+    cosine (README: a constant 2e-3 once fell back after solving the task).
     ``trainer``: train on torch.distributed ranks (``tracerl demo --launcher ray ...``)."""
     os.environ.setdefault("TRACERL_QUIET", "1")
     quiet_third_party()
@@ -149,8 +161,9 @@ async def demo(steps: int, engine: str, base_path: str, group_size: int, groups_
         held_out = scenarios(seed=12345, n=24)
         evals = [(0, await evaluate(model, held_out, "held-out before training"))]
         curve = []
-        config = tracerl.TrainConfig(learning_rate=learning_rate, seed=seed)
         for step in range(1, steps + 1):
+            config = tracerl.TrainConfig(
+                learning_rate=cosine(step, steps, learning_rate, final_learning_rate), seed=seed)
             train_numbers = scenarios(seed=1000 * seed + step, n=groups_per_step)
             groups = await tracerl.gather_trajectory_groups(
                 (tracerl.TrajectoryGroup(rollout(model, n, 1.0) for _ in range(group_size))

@@ -208,9 +208,9 @@ class CallStore:
         path = store.calls_path(rid) if rid is not None else store.unattributed_calls_path
         if rid is not None and self.divert is not None:
             path = self.divert(store, rid) or path
-        record = call.model_dump(mode="json")
+        line = call.json_line()
         with self._file_lock(path):
-            append_jsonl(path, record)
+            append_jsonl(path, line)
 
     def take(self, store: ModelStore, rollout_id: str) -> list[LLMCall]:
         """The calls of a rollout, all that its file holds (a torn line is skipped, logged)."""

@@ -105,11 +105,15 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
-def append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    """Append one JSON line and fsync it. The line starts on a fresh line even after a torn one
-    (a crash mid-append); a failed write is cut back off, so no torn line is left behind."""
+def append_jsonl(path: Path, record: dict[str, Any] | bytes) -> None:
+    """Append one JSON line and fsync it: ``record`` as a dict, or already encoded as strict JSON
+    (one line, no newline). The line starts on a fresh line even after a torn one (a crash
+    mid-append); a failed write is cut back off, so no torn line is left behind."""
     path = Path(path)
-    line = (json.dumps(record, allow_nan=False) + "\n").encode()
+    if isinstance(record, bytes):
+        line = record + b"\n"
+    else:
+        line = (json.dumps(record, allow_nan=False) + "\n").encode()
     flags = os.O_RDWR | os.O_CREAT | os.O_APPEND
     try:
         try:

