@@ -7,7 +7,18 @@ Each rollout is an agent turn of varied length: one sampled chat call through th
 same scenarios in the same order on the same backend (two models of one base, trained in turn);
 the rewards are random, as only time is measured.
 
+``--task numbers`` runs the demo's task instead (``tracerl demo``: repeat a number, real reward,
+the demo's learning-rate schedule) and evaluates both sides on the demo's 24 held-out numbers
+(greedy) every ``--eval-every`` steps, so that the async side's reward curve is compared with
+the sync side's at equal steps; evaluation time is left out of both sides' steps per minute.
+(During an evaluation between steps the async side's rollout workers may go on up to their
+off-policy bound, which they usually have reached already: a small bias in async's favour,
+none with ``--eval-every`` equal to ``--steps``, where only the start and the end are
+evaluated.)
+
     PYTHONPATH=. .venv/bin/python benchmarks/async_vs_sync.py --steps 4 --groups 2 --group-size 2
+    PYTHONPATH=. .venv/bin/python benchmarks/async_vs_sync.py --task numbers --steps 8 \
+        --groups 4 --group-size 6 --bound 2 --repeats 2
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ import tempfile
 import time
 
 import tracerl
+from tracerl import demo
 
 
 def workload(seed: int, n: int, lengths: list[int], env_s: list[float]
@@ -46,35 +58,76 @@ def rollout_fn(group_size: int):
     return rollout
 
 
+def numbers_rollout(group_size: int):
+    async def rollout(model, scenario: tuple[int, str], config) -> tracerl.TrajectoryGroup:
+        return await tracerl.TrajectoryGroup(
+            [demo.rollout(model, scenario[1], 1.0) for _ in range(group_size)])
+
+    return rollout
+
+
+class Schedule:
+    """Each step's train config, and the held-out evaluations (their time kept apart)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args, self.curve, self.eval_s = args, [], 0.0
+        self.held_out = demo.scenarios(seed=12345, n=24) if args.task == "numbers" else None
+
+    def config(self, step: int) -> tracerl.TrainConfig:
+        if self.held_out is None:
+            return tracerl.TrainConfig(learning_rate=1e-5)
+        return tracerl.TrainConfig(learning_rate=demo.cosine(step, self.args.steps, 2e-3, 5e-4))
+
+    async def after(self, model, step: int) -> None:
+        """Evaluate at step 0, every ``--eval-every`` steps and at the last step."""
+        if self.held_out is None or (step % self.args.eval_every and step != self.args.steps):
+            return
+        started = time.perf_counter()
+        result = await demo.evaluate(model, self.held_out, f"held-out after {step}")
+        self.curve.append((step, round(result["reward"], 3)))
+        self.eval_s += time.perf_counter() - started
+
+
 async def run_sync(model, rollout, scenarios, groups: int, steps: int,
-                   config: tracerl.TrainConfig) -> float:
+                   schedule: Schedule) -> float:
+    await schedule.after(model, 0)
     started = time.perf_counter()
     for step in range(steps):
         batch = scenarios[step * groups:(step + 1) * groups]
         trained = await asyncio.gather(*(rollout(model, s, None) for s in batch))
-        await model.train(trained, config)
-    return time.perf_counter() - started
+        await model.train(trained, schedule.config(step + 1))
+        await schedule.after(model, step + 1)
+    return time.perf_counter() - started - schedule.eval_s
 
 
 async def run_async(model, rollout, scenarios, groups: int, steps: int, bound: int,
-                    config: tracerl.TrainConfig) -> float:
+                    schedule: Schedule) -> float:
+    await schedule.after(model, 0)
     started = time.perf_counter()
     pipeline = tracerl.RolloutPipeline(model, rollout, scenarios, groups_per_step=groups,
-                                       max_steps_off_policy=bound, train_config=config)
+                                       max_steps_off_policy=bound,
+                                       train_config=schedule.config(1))
+    trained = 0
     async for _ in pipeline.steps(max_steps=steps):
-        pass
-    return time.perf_counter() - started
+        trained += 1
+        pipeline.train_config = schedule.config(trained + 1)
+        await schedule.after(model, trained)  # the pipeline trains nothing meanwhile
+    return time.perf_counter() - started - schedule.eval_s
 
 
 async def measure(args: argparse.Namespace) -> dict:
     backend = tracerl.LocalBackend(path=tempfile.mkdtemp(prefix="tracerl-async-bench-"),
                                    engine=args.engine)
-    config = tracerl.TrainConfig(learning_rate=1e-5)
     engine = tracerl.EngineConfig(max_model_len=512, resident_adapters=args.bound + 1)
     total = args.steps * args.groups * (args.bound + 2)  # the pipeline may run ahead
-    scenarios = list(enumerate(workload(0, total, args.lengths, args.env_s)))
-    rollout = rollout_fn(args.group_size)
+    if args.task == "numbers":
+        scenarios = list(enumerate(demo.scenarios(seed=7, n=total)))
+        rollout = numbers_rollout(args.group_size)
+    else:
+        scenarios = list(enumerate(workload(0, total, args.lengths, args.env_s)))
+        rollout = rollout_fn(args.group_size)
     results: dict[str, list[float]] = {"sync": [], "async": []}
+    curves: dict[str, list[list[tuple[int, float]]]] = {"sync": [], "async": []}
     try:
         for repeat in range(args.repeats):
             for kind in ("sync", "async") if repeat % 2 == 0 else ("async", "sync"):
@@ -82,17 +135,22 @@ async def measure(args: argparse.Namespace) -> dict:
                     name=f"{kind}{repeat}", project="bench", base_model=args.base_model,
                     config=tracerl.ModelConfig(engine=engine))
                 await model.register(backend)
+                schedule = Schedule(args)
                 if kind == "sync":
                     seconds = await run_sync(model, rollout, scenarios, args.groups, args.steps,
-                                             config)
+                                             schedule)
                 else:
                     seconds = await run_async(model, rollout, scenarios, args.groups,
-                                              args.steps, args.bound, config)
+                                              args.steps, args.bound, schedule)
                 results[kind].append(args.steps * 60 / seconds)
+                curves[kind].append(schedule.curve)
     finally:
         await backend.close()
     best = {k: max(v) for k, v in results.items()}
-    return {"steps_per_min": results, "best": best, "ratio": best["async"] / best["sync"]}
+    out = {"steps_per_min": results, "best": best, "ratio": best["async"] / best["sync"]}
+    if args.task == "numbers":
+        out["held_out_reward_by_step"] = curves
+    return out
 
 
 def main() -> None:
@@ -106,6 +164,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--engine", default="transformers")
     ap.add_argument("--base-model", default="smollm2")
+    ap.add_argument("--task", choices=["sea", "numbers"], default="sea",
+                    help="'sea': timed turns with random rewards; 'numbers': the demo's task")
+    ap.add_argument("--eval-every", type=int, default=4, help="held-out evaluation (numbers)")
     args = ap.parse_args()
     print(json.dumps(asyncio.run(measure(args)), indent=1))
 
