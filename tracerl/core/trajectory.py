@@ -116,8 +116,8 @@ class LLMCall(_Validated):
 
     def json_line(self) -> bytes:
         """The record as one line of strict JSON (``ValueError`` for a non-finite float, as
-        ``json.dumps(allow_nan=False)``). Encoded by pydantic-core: ~7x faster than
-        ``json.dumps`` of ``model_dump`` for a 256-token call, which the gateway does per call."""
+        ``json.dumps(allow_nan=False)``), encoded by pydantic-core: the gateway encodes one per
+        call, and ``json.dumps`` of ``model_dump`` took several times as long (BENCHMARKS.md)."""
         line = self.model_dump_json().encode()
         if b"NaN" in line or b"Infinity" in line:  # a real constant, or only text that says so
             json.dumps(self.model_dump(mode="json"), allow_nan=False)  # raises for a real one
@@ -255,15 +255,6 @@ class Trajectory(Conversation):
     def log(self, message: str) -> None:
         """Append a free-text line to the trajectory's logs."""
         self.logs.append(message)
-
-    def json_line(self) -> bytes:
-        """The record as one line of strict JSON (``ValueError`` for a non-finite float, as
-        ``json.dumps(allow_nan=False)``). Encoded by pydantic-core: ~7x faster than
-        ``json.dumps`` of ``model_dump`` for a 256-token call, which the gateway does per call."""
-        line = self.model_dump_json().encode()
-        if b"NaN" in line or b"Infinity" in line:  # a real constant, or only text that says so
-            json.dumps(self.model_dump(mode="json"), allow_nan=False)  # raises for a real one
-        return line
 
     @property
     def completion_tokens(self) -> int:
