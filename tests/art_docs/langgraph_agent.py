@@ -23,9 +23,11 @@ async def rollout(model: art.TrainableModel, pair: tuple[int, int], attempt: int
     state = await agent.ainvoke({"messages": [
         {"role": "system", "content": "Use the add tool, then answer with the result."},
         {"role": "user", "content": f"What is {pair[0]} + {pair[1]}?"}]})
-    # the right sum, and (tiny groups must not tie) the first attempt preferred
+    # the right sum, and (tiny groups must not tie) the first attempt preferred by half a
+    # point: 0.5 or 1.5 against 0 or 1 (a whole point tied a wrong first attempt with a right
+    # second one, and the step had nothing to train)
     trajectory.reward = float(str(sum(pair)) in (state["messages"][-1].content or "")) + (
-        attempt == 0)
+        0.5 * (attempt == 0))
     return trajectory
 
 
