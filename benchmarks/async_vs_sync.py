@@ -19,6 +19,9 @@ evaluated.)
     PYTHONPATH=. .venv/bin/python benchmarks/async_vs_sync.py --steps 4 --groups 2 --group-size 2
     PYTHONPATH=. .venv/bin/python benchmarks/async_vs_sync.py --task numbers --steps 8 \
         --groups 4 --group-size 6 --bound 2 --repeats 2
+    # on a GPU (vLLM and the trainer sharing it), a random-initialised 1.5B shape:
+    python benchmarks/async_vs_sync.py --engine vllm --random-init qwen2.5-1.5b \
+        --gpu-memory-utilization 0.5 --lengths 64 256 1024 --env-s 0 1 --bound 2
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import json
 import random
 import tempfile
 import time
+from pathlib import Path
 
 import tracerl
 from tracerl import demo
@@ -118,7 +122,11 @@ async def run_async(model, rollout, scenarios, groups: int, steps: int, bound: i
 async def measure(args: argparse.Namespace) -> dict:
     backend = tracerl.LocalBackend(path=tempfile.mkdtemp(prefix="tracerl-async-bench-"),
                                    engine=args.engine)
-    engine = tracerl.EngineConfig(max_model_len=512, resident_adapters=args.bound + 1)
+    # both sides serve while the trainer trains (the pipeline needs it; on one GPU vLLM then
+    # keeps --gpu-memory-utilization of it and the trainer the rest)
+    engine = tracerl.EngineConfig(max_model_len=max(512, max(args.lengths) + 128),
+                                  resident_adapters=args.bound + 1, sleep_during_training=False,
+                                  gpu_memory_utilization=args.gpu_memory_utilization)
     total = args.steps * args.groups * (args.bound + 2)  # the pipeline may run ahead
     if args.task == "numbers":
         scenarios = list(enumerate(demo.scenarios(seed=7, n=total)))
@@ -167,7 +175,18 @@ def main() -> None:
     ap.add_argument("--task", choices=["sea", "numbers"], default="sea",
                     help="'sea': timed turns with random rewards; 'numbers': the demo's task")
     ap.add_argument("--eval-every", type=int, default=4, help="held-out evaluation (numbers)")
+    ap.add_argument("--random-init", help="a shape from random_models.SHAPES instead of "
+                    "--base-model (throughput only: use the 'sea' task)")
+    ap.add_argument("--tokenizer", help="tokenizer folder for --random-init (default: SmolLM2's)")
+    ap.add_argument("--gpu-memory-utilization", type=float,
+                    help="vLLM's share of the GPU (the trainer shares it)")
     args = ap.parse_args()
+    if args.random_init:
+        from random_models import random_model_dir
+
+        from tracerl.backend.weights import resolve_base_model
+        tokenizer = Path(args.tokenizer) if args.tokenizer else resolve_base_model("smollm2")
+        args.base_model = str(random_model_dir(args.random_init, tokenizer, vocab="tokenizer"))
     print(json.dumps(asyncio.run(measure(args)), indent=1))
 
 

@@ -3,7 +3,7 @@
 # .vllm1/part00 to /tmp/vk): install vLLM and its imports into /tmp/site, then run
 # benchmarks/rollout_throughput.py (gateway vs vLLM alone) on random-initialised models.
 #   bash benchmarks/gpu/vllm_run.sh [smollm2-135m:16,64,256 qwen2.5-0.5b:64,256 loop loop-7b
-#                                    adapter-smollm2-135m:64,256]
+#                                    adapter-smollm2-135m:64,256 async-qwen2.5-1.5b]
 # env: WAVES (default 3), PROFILE=1 (py-spy: the gateway process / vLLM's engine core),
 #      VLLM_ARGS (extra benchmark flags, e.g. "--vllm-arg=--max-loras=1"),
 #      REPLICAS=K (rollout jobs: the gateway over K servers on the GPU vs one of them directly)
@@ -51,11 +51,21 @@ loop_check() {  # the whole loop: rollouts, a GRPO step with vLLM asleep, the ad
   kill $smi
   grep -E '^\{"(step|served)' "$OUT/$name.log" || tail -30 "$OUT/$name.log"
 }
+async_check() {  # async-SHAPE: the async pipeline (bound 2) vs the sync loop, steps per minute,
+  # vLLM serving while the trainer trains on the same GPU; rollouts of 64/256/1024 tokens
+  local shape=${1#async-}
+  timeout ${ROLLOUT_TIMEOUT_S:-560} python3 benchmarks/async_vs_sync.py --engine vllm \
+    --random-init "$shape" --tokenizer .vllm2/tok --gpu-memory-utilization 0.5 --steps 4 \
+    --groups 4 --group-size 8 --bound 2 --lengths 64 256 1024 --env-s 0 1 --repeats 1 \
+    > "$OUT/$1.json" 2> "$OUT/$1.log" || { echo "FAILED $1"; tail -40 "$OUT/$1.log"; }
+  cat "$OUT/$1.json"
+}
 [ "${1:-}" = loop-7b ] || python3 benchmarks/call_record_write.py | tee "$OUT/call_record_write.json"  # the disk's fsync cost
 # each vLLM start on the H200 takes ~100 s (compile, CUDA graphs); a call has 600 s
 for job in ${@:-smollm2-135m:16,64,256 qwen2.5-0.5b:64,256}; do
   echo "$(date +%T) $job"
   case $job in loop|loop-7b) loop_check "$job" ;; adapter-*) adapter_check "$job" ;;
+    async-*) async_check "$job" ;;
     *) run_rollouts "$job" ;; esac
 done
 cp /tmp/tracerl-vllm-*.log "$OUT/" 2>/dev/null || true
