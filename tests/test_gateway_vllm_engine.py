@@ -197,6 +197,13 @@ def test_gpu_memory_share_is_passed_to_vllm_only_when_set(smollm2_path):
     assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.45"
 
 
+@pytest.mark.parametrize("share, each", [(None, "0.45"), (0.75, "0.375")],
+                         ids=["vllm-default", "set"])
+def test_servers_sharing_a_gpu_split_vllms_share_of_it(smollm2_path, share, each):
+    cmd = cpu_engine(smollm2_path, replicas_per_gpu=2, gpu_memory_utilization=share).command()
+    assert cmd[cmd.index("--gpu-memory-utilization") + 1] == each
+
+
 @pytest.mark.parametrize("share", [1.5, 0.0, -0.1], ids=["over-1", "zero", "negative"])
 def test_a_gpu_memory_share_outside_0_to_1_is_refused(share):
     with pytest.raises(ValueError, match="gpu_memory_utilization"):

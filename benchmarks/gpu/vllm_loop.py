@@ -3,11 +3,14 @@ adapter hot-loaded into vLLM, and vLLM's sleep mode freeing its memory while the
 
 A random-initialised model (SmolLM2-135M by default; values do not matter here); reward =
 shorter answers. With ``--shape qwen2.5-7b`` it checks that vLLM and the trainer's copy of the
-weights share one GPU (``--gpu-memory-utilization`` leaves the trainer its room). Prints,
+weights share one GPU (``--gpu-memory-utilization`` leaves the trainer its room);
+``--replicas-per-gpu K`` serves it from K vLLM servers on the GPU, all asleep during the step.
+Prints,
 per step: rollout and training seconds, the adapter step the next rollouts were served with,
 and the GPU memory in use (all processes) while vLLM is awake versus during the training step.
 
-    python benchmarks/gpu/vllm_loop.py --tokenizer TOKDIR [--steps 2] [--shape S] [--json OUT]
+    python benchmarks/gpu/vllm_loop.py --tokenizer TOKDIR [--steps 2] [--shape S]
+        [--replicas-per-gpu K] [--json OUT]
 """
 
 from __future__ import annotations
@@ -64,12 +67,14 @@ async def rollout(model: tracerl.TrainableModel, i: int) -> tracerl.Trajectory:
     return tracerl.Trajectory(messages_and_choices=[response.choices[0]], reward=-len(text) / 100)
 
 
-async def main(tokenizer: Path, steps: int, shape: str, vllm_share: float | None) -> dict:
+async def main(tokenizer: Path, steps: int, shape: str, vllm_share: float | None,
+               replicas_per_gpu: int = 1) -> dict:
     path = random_model_dir(shape, tokenizer, vocab="tokenizer")
     backend = tracerl.LocalBackend(path="/tmp/tracerl-vllm-loop", engine="vllm")
     model = tracerl.TrainableModel(
         name=f"loop-{int(time.time())}", project="gpu", base_model=str(path),  # sleeps on CUDA
-        config=tracerl.ModelConfig(engine=tracerl.EngineConfig(gpu_memory_utilization=vllm_share)))
+        config=tracerl.ModelConfig(engine=tracerl.EngineConfig(
+            gpu_memory_utilization=vllm_share, replicas_per_gpu=replicas_per_gpu)))
     started = time.perf_counter()
     await model.register(backend)
     rows = [{"register_s": time.perf_counter() - started}]
@@ -97,7 +102,7 @@ async def main(tokenizer: Path, steps: int, shape: str, vllm_share: float | None
     finally:
         await backend.close()
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    return {"device": device, "shape": shape, "rows": rows}
+    return {"device": device, "shape": shape, "replicas_per_gpu": replicas_per_gpu, "rows": rows}
 
 
 if __name__ == "__main__":
@@ -107,9 +112,12 @@ if __name__ == "__main__":
     ap.add_argument("--shape", default="smollm2-135m", help="a shape of random_models.SHAPES")
     ap.add_argument("--gpu-memory-utilization", type=float,
                     help="vLLM's share of the GPU (default: vLLM's 0.9)")
+    ap.add_argument("--replicas-per-gpu", type=int, default=1,
+                    help="vLLM servers sharing the GPU (their memory: the share split K ways)")
     ap.add_argument("--json")
     args = ap.parse_args()
-    result = asyncio.run(main(args.tokenizer, args.steps, args.shape, args.gpu_memory_utilization))
+    result = asyncio.run(main(args.tokenizer, args.steps, args.shape, args.gpu_memory_utilization,
+                              args.replicas_per_gpu))
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

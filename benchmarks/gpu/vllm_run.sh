@@ -43,7 +43,8 @@ loop_check() {  # the whole loop: rollouts, a GRPO step with vLLM asleep, the ad
   # loop = SmolLM2-135M shape; loop-7b = Qwen2.5-7B shape with vLLM at 75% of the GPU, which
   # checks that the trainer's own copy of the weights fits beside the sleeping engine
   local args=() name=vllm-loop
-  [ "$1" = loop-7b ] && { args=(--shape qwen2.5-7b --gpu-memory-utilization 0.75); name=vllm-loop-7b; }
+  [ "${1%-r*}" = loop-7b ] && { args=(--shape qwen2.5-7b --gpu-memory-utilization 0.75); name=vllm-loop-7b; }
+  case $1 in *-r[0-9]*) args+=(--replicas-per-gpu "${1##*-r}"); name=$name-r${1##*-r} ;; esac
   (while sleep 10; do nvidia-smi --query-gpu=memory.used --format=csv,noheader; done > "$OUT/$name-smi.log") &
   local smi=$!
   timeout 540 python3 benchmarks/gpu/vllm_loop.py --tokenizer .vllm2/tok --steps 2 "${args[@]}" \
@@ -60,11 +61,11 @@ async_check() {  # async-SHAPE: the async pipeline (bound 2) vs the sync loop, s
     > "$OUT/$1.json" 2> "$OUT/$1.log" || { echo "FAILED $1"; tail -40 "$OUT/$1.log"; }
   cat "$OUT/$1.json"
 }
-[ "${1:-}" = loop-7b ] || python3 benchmarks/call_record_write.py | tee "$OUT/call_record_write.json"  # the disk's fsync cost
+[ "${1%-r*}" = loop-7b ] || python3 benchmarks/call_record_write.py | tee "$OUT/call_record_write.json"  # the disk's fsync cost
 # each vLLM start on the H200 takes ~100 s (compile, CUDA graphs); a call has 600 s
 for job in ${@:-smollm2-135m:16,64,256 qwen2.5-0.5b:64,256}; do
   echo "$(date +%T) $job"
-  case $job in loop|loop-7b) loop_check "$job" ;; adapter-*) adapter_check "$job" ;;
+  case $job in loop|loop-7b|loop-r*|loop-7b-r*) loop_check "$job" ;; adapter-*) adapter_check "$job" ;;
     async-*) async_check "$job" ;;
     *) run_rollouts "$job" ;; esac
 done

@@ -107,7 +107,8 @@ class EngineConfig(_Strict):
         "CPU memory, KV cache dropped), so the trainer can use the same GPU; None: on when vLLM "
         "runs on CUDA, off on CPU (vLLM has no sleep mode there)")
     gpu_memory_utilization: float | None = Field(
-        None, gt=0, le=1, description="the share of GPU memory vLLM may take (vLLM's default: 0.9)")
+        None, gt=0, le=1, description="the share of each GPU's memory vLLM may take (vLLM's "
+        "default: 0.9); with replicas_per_gpu > 1, the servers on a GPU split it evenly")
     replicas: int | None = Field(
         None, ge=1, description="inference servers behind the gateway, spread over the visible "
         "GPUs; None: 1, or with replicas_per_gpu / gpus_per_replica set, as many as the GPUs "

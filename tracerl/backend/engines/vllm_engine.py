@@ -198,8 +198,8 @@ class VLLMEngine(Engine):
         if self.devices is not None and len(self.devices) > 1:
             cmd += ["--tensor-parallel-size", str(len(self.devices))]
         share = cfg.gpu_memory_utilization
-        if share is None and cfg.replicas_per_gpu > 1:  # several servers on one GPU split it
-            share = round(0.9 / cfg.replicas_per_gpu, 3)
+        if cfg.replicas_per_gpu > 1:  # several servers on one GPU split vLLM's share of it
+            share = round((0.9 if share is None else share) / cfg.replicas_per_gpu, 3)
         if share is not None:
             cmd += ["--gpu-memory-utilization", str(share)]
         if cfg.replicas_per_gpu > 1 and not any(a.startswith("--kv-cache-memory")
