@@ -5,7 +5,10 @@ For each ``--concurrency`` value, waves of that many simultaneous chat requests 
 the two paths (``--waves`` of each, after one warm-up wave each); sampling at T=1 with
 ``ignore_eos`` so every request generates exactly ``--max-tokens`` tokens on both paths. Through
 the gateway every request is recorded token-exactly (ids, logprobs) under its own rollout id, as
-in training. One engine serves all concurrency values.
+in training. One engine serves all concurrency values. Besides tokens/s, each row gives this
+process's CPU time per call on each path: the difference is the gateway's own CPU per call,
+which wave timing hides until the gateway is the bottleneck (steadier than tokens/s on a busy
+machine).
 
     TRACERL_VLLM_PYTHON=.venv-vllm/bin/python python benchmarks/rollout_throughput.py \
         --concurrency 8 --max-tokens 16 --waves 3
@@ -97,15 +100,22 @@ async def measure(concurrencies: list[int], max_tokens: int, waves: int, base_mo
                                            "model": engine.spec.served_name}), {})
                 return reply["usage"]["completion_tokens"]
 
+            cpu_ms: dict[bool, list[float]] = {False: [], True: []}
+
             async def wave(first: int, concurrency: int, via_gateway: bool) -> float:
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.process_time()
                 tokens = await asyncio.gather(*(one(first + i, via_gateway)
                                                 for i in range(concurrency)))
+                # this process's CPU (all its threads) per call: the client's alone on the
+                # direct path, the client's and the gateway's through the gateway
+                cpu_ms[via_gateway].append((time.process_time() - cpu) * 1e3 / concurrency)
                 return sum(tokens) / (time.perf_counter() - start)
 
             next_id = 0
             for concurrency in concurrencies:
                 direct, gateway = [], []
+                cpu_ms[False].clear()
+                cpu_ms[True].clear()
                 for w in range(waves + 1):  # wave 0 warms up both paths
                     d = await wave(next_id, concurrency, False)
                     spy = None
@@ -125,11 +135,15 @@ async def measure(concurrencies: list[int], max_tokens: int, waves: int, base_mo
                 recorded = len(backend.gateway.calls.take(backend.store(model),
                                                           f"ro-{next_id - 1}"))
                 d, g = statistics.median(direct), statistics.median(gateway)
+                cpu_direct = statistics.median(cpu_ms[False][1:])  # after the warm-up wave
+                cpu_gateway = statistics.median(cpu_ms[True][1:])
                 results.append({
                     "concurrency": concurrency, "max_tokens": max_tokens, "waves": waves,
                     "direct_tokens_per_s": d, "gateway_tokens_per_s": g,
                     "ratio_gateway_over_direct": g / d, "direct_waves": direct,
-                    "gateway_waves": gateway, "calls_recorded_for_one_rollout": recorded})
+                    "gateway_waves": gateway, "calls_recorded_for_one_rollout": recorded,
+                    "client_cpu_ms_per_call": cpu_direct,
+                    "gateway_cpu_ms_per_call": cpu_gateway - cpu_direct})
                 print(json.dumps(results[-1]), flush=True)
     finally:
         await backend.close()
