@@ -8,6 +8,8 @@ from tracerl.backend.engines.tool_parsers import parse_hermes
 from tracerl.backend.recorder import (
     StreamAssembler,
     build_call,
+    caller_wants_logprobs,
+    drop_logprob_entries,
     inject_training_fields,
     strip_for_caller,
 )
@@ -150,3 +152,47 @@ def test_the_caller_gets_back_exactly_the_training_fields_it_asked_for(
     assert choice["logprobs"] == expected_logprobs
     assert choice["message"] == {"role": "assistant", "content": "x"}  # the answer itself stays
     assert answer == engine_answer()  # not modified: the record is built from the same chunks
+
+
+def engine_reply_of(tokens: int) -> dict:
+    """A chat reply as vLLM gives it: an entry (a dict, two lists) per token."""
+    entries = [{"token": f"t{i}", "logprob": -0.5 - i / 1000, "bytes": [116], "top_logprobs": []}
+               for i in range(tokens)]
+    return {"prompt_token_ids": [1, 2], "choices": [{
+        "index": 0, "token_ids": list(range(10, 10 + tokens)), "finish_reason": "length",
+        "logprobs": {"content": entries}, "message": {"role": "assistant", "content": "t"}}]}
+
+
+def containers_in(value) -> int:
+    if isinstance(value, dict):
+        return 1 + sum(containers_in(v) for v in value.values())
+    if isinstance(value, list):
+        return 1 + sum(containers_in(v) for v in value)
+    return 0
+
+
+@pytest.mark.parametrize("asked", [{}, {"return_token_ids": True}], ids=["nothing", "ids"])
+def test_a_reply_without_its_logprob_entries_records_and_answers_the_same(asked):
+    """What the gateway does to a reply whose caller did not ask for logprobs."""
+    body = {"model": "m", "messages": [], **asked}
+    kept = engine_reply_of(256)
+    dropped = drop_logprob_entries(engine_reply_of(256))
+
+    def record(reply):
+        return build_call(endpoint="chat.completions", caller_body=body, response=reply,
+                          rollout_id="ro", model="m", adapter_step=None, latency_s=0.0,
+                          streamed=False)
+
+    assert record(dropped).completions == record(kept).completions
+    assert record(dropped).completions[0].logprobs[255] == -0.755
+    assert record(dropped).response == record(kept).response
+    assert strip_for_caller("chat.completions", body, dropped) == strip_for_caller(
+        "chat.completions", body, kept)
+    assert containers_in(kept) > 3 * 256 and containers_in(dropped) < 10
+
+
+def test_whether_the_caller_asked_for_logprobs():
+    assert caller_wants_logprobs("chat.completions", {"logprobs": True})
+    assert not caller_wants_logprobs("chat.completions", {"logprobs": False})
+    assert caller_wants_logprobs("completions", {"logprobs": 0})
+    assert not caller_wants_logprobs("completions", {})

@@ -15,7 +15,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,7 @@ from ..core.errors import (
 )
 from ..core.lifecycle import llm_call_recorded
 from ..core.storage import ModelStore, validate_name
+from ..core.trajectory import LLMCall
 from ..core.watchdog import watch
 from .external_rollouts import ExternalRollouts
 from .protocols.anthropic_messages import AnthropicMessages
@@ -52,6 +53,8 @@ from .recorder import (
     CallStore,
     StreamAssembler,
     build_call,
+    caller_wants_logprobs,
+    drop_logprob_entries,
     inject_training_fields,
     strip_for_caller,
 )
@@ -174,6 +177,13 @@ class Attribution:
 
     rollout_id: str | None
     tags: dict[str, Any] | None = None
+
+
+async def _without_logprob_entries(reply: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+    """The engine's chat reply, its per-token logprob entries dropped in the same step as it is
+    decoded (before other calls' replies are: at 256 replies ending together, all of them would
+    otherwise be alive at once)."""
+    return drop_logprob_entries(await reply)
 
 
 def parse_tags(header: str | None) -> dict[str, Any] | None:
@@ -509,7 +519,11 @@ class Gateway:
             )
             # a request past its deadline is cancelled, in the engine too (vLLM: the HTTP
             # request is closed, which aborts it; transformers: its sequences stop)
-            response = await asyncio.wait_for(call(engine_body), timeout)
+            reply = call(engine_body)
+            if (endpoint == "chat.completions" and exchange is None
+                    and not caller_wants_logprobs(endpoint, body)):
+                reply = _without_logprob_entries(reply)
+            response = await asyncio.wait_for(reply, timeout)
         except EngineRequestError as e:
             return error_response(e)
         except TimeoutError:  # the gateway's deadline, or the engine's transport
@@ -525,20 +539,38 @@ class Gateway:
         finally:
             served.swap.release_read()
         response["model"] = body["model"]
+        # a protocol answers once the record is on disk (a Responses id is remembered then)
+        answer = strip_for_caller(endpoint, body, response) if exchange is None else response
         try:
-            await self._record(served, endpoint, body, response, who, step,
-                               time.perf_counter() - started, streamed=False, route=route,
-                               exchange=exchange)
+            call = self._build_record(endpoint, body, response, who, step,
+                                      time.perf_counter() - started, streamed=False, route=route,
+                                      exchange=exchange)
+            # The engine's reply holds a dict and two lists per token; with 256 calls writing at
+            # once, replies kept alive over the write outlived young collections and made the
+            # cyclic collector's older generations walk them again and again (gateway CPU per
+            # call at c256 ~1.5x c64's, BENCHMARKS.md). The caller's answer and the record are
+            # taken: the reply goes now.
+            del response
+            await self._write_record(served, call)
         except TracerlError as e:  # e.g. a full disk (507): the caller must not train on it
             return error_response(e)
-        answer = strip_for_caller(endpoint, body, response)
-        return JSONResponse(answer if exchange is None else exchange.answer(response))
+        return JSONResponse(answer if exchange is None else exchange.answer(answer))
 
     async def _record(self, served: ServedModel, endpoint: str, body: dict[str, Any],
                       response: dict[str, Any] | None, who: Attribution, step: int | None,
                       latency: float, streamed: bool, error: str | None = None,
                       metadata: dict[str, Any] | None = None,
                       route: CallRoute | None = None, exchange: Exchange | None = None) -> None:
+        await self._write_record(served, self._build_record(
+            endpoint, body, response, who, step, latency, streamed, error=error,
+            metadata=metadata, route=route, exchange=exchange))
+
+    @staticmethod
+    def _build_record(endpoint: str, body: dict[str, Any], response: dict[str, Any] | None,
+                      who: Attribution, step: int | None, latency: float, streamed: bool,
+                      error: str | None = None, metadata: dict[str, Any] | None = None,
+                      route: CallRoute | None = None, exchange: Exchange | None = None
+                      ) -> LLMCall:
         call = build_call(
             endpoint=endpoint,
             caller_body=body,
@@ -557,6 +589,9 @@ class Gateway:
             call.metadata["replica"] = route.replica
         if exchange is not None:
             call.metadata.update(exchange.metadata)
+        return call
+
+    async def _write_record(self, served: ServedModel, call: LLMCall) -> None:
         # Serialising and fsyncing a record takes milliseconds: done in a worker thread, so that
         # hundreds of concurrent calls do not queue behind each other's disk writes. The caller
         # gets its answer only once the record is on disk; the write and the plugin hook happen

@@ -31,15 +31,35 @@ def inject_training_fields(endpoint: str, body: dict[str, Any]) -> dict[str, Any
     return out
 
 
+SAMPLED_LOGPROBS = "tracerl_sampled_logprobs"
+
+
+def caller_wants_logprobs(endpoint: str, caller_body: dict[str, Any]) -> bool:
+    """Whether the caller itself asked for logprobs (the gateway always asks the engine)."""
+    if endpoint == "completions":  # logprobs=0 asks for the sampled token's logprob
+        return caller_body.get("logprobs") is not None
+    return bool(caller_body.get("logprobs"))
+
+
+def drop_logprob_entries(response: dict[str, Any]) -> dict[str, Any]:
+    """Keep only the sampled tokens' logprobs (one list of floats per choice) of a chat reply
+    whose caller did not ask for logprobs: the engine's entries are a dict and two lists per
+    token, and hundreds of replies holding them at once kept the cyclic garbage collector
+    walking them (BENCHMARKS.md). Done as soon as the reply is decoded."""
+    for choice in response.get("choices") or []:
+        content = (choice.get("logprobs") or {}).get("content")
+        if content is not None:
+            choice["logprobs"] = {"content": None,
+                                  SAMPLED_LOGPROBS: [float(e["logprob"]) for e in content]}
+    return response
+
+
 def strip_for_caller(
     endpoint: str, caller_body: dict[str, Any], payload: dict[str, Any]
 ) -> dict[str, Any]:
     """Remove what the caller did not ask for from a response or stream chunk."""
     want_ids = bool(caller_body.get("return_token_ids"))
-    if endpoint == "completions":  # logprobs=0 asks for the sampled token's logprob
-        want_logprobs = caller_body.get("logprobs") is not None
-    else:
-        want_logprobs = bool(caller_body.get("logprobs"))
+    want_logprobs = caller_wants_logprobs(endpoint, caller_body)
     if want_logprobs and want_ids:
         return payload
     out = copy.copy(payload)
@@ -60,7 +80,10 @@ def strip_for_caller(
 
 
 def _chat_logprobs(choice: dict[str, Any]) -> list[float] | None:
-    content = (choice.get("logprobs") or {}).get("content")
+    logprobs = choice.get("logprobs") or {}
+    if SAMPLED_LOGPROBS in logprobs:  # drop_logprob_entries kept these
+        return logprobs[SAMPLED_LOGPROBS]
+    content = logprobs.get("content")
     if content is None:
         return None
     return [float(e["logprob"]) for e in content]
