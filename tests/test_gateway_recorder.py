@@ -70,14 +70,20 @@ STREAM = [
 ]
 
 
-@pytest.fixture(scope="module")
-def streamed_call():
-    """The record built from :data:`STREAM` assembled chunk by chunk."""
-    asm = StreamAssembler()
+def assembled(keep_entries: bool) -> dict:
+    asm = StreamAssembler(keep_entries=keep_entries)
     for chunk in STREAM:
         asm.add(chunk)
+    return asm.response()
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["entries", "sampled-logprobs-only"])
+def streamed_call(request):
+    """The record built from :data:`STREAM` assembled chunk by chunk (keeping the engine's
+    logprob entries, as for a caller that asked for them, or not)."""
     return build_call(endpoint="chat.completions", caller_body={"model": "m", "temperature": 0.5},
-                      response=asm.response(), rollout_id="ro-1", model="m", adapter_step=2,
+                      response=assembled(request.param), rollout_id="ro-1", model="m",
+                      adapter_step=2,
                       latency_s=0.1, streamed=True)
 
 
@@ -196,3 +202,9 @@ def test_whether_the_caller_asked_for_logprobs():
     assert not caller_wants_logprobs("chat.completions", {"logprobs": False})
     assert caller_wants_logprobs("completions", {"logprobs": 0})
     assert not caller_wants_logprobs("completions", {})
+
+
+def test_a_stream_assembled_without_logprob_entries_answers_a_caller_that_did_not_ask_the_same():
+    body = {"model": "m"}
+    assert strip_for_caller("chat.completions", body, assembled(False)) == strip_for_caller(
+        "chat.completions", body, assembled(True))

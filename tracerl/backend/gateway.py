@@ -668,7 +668,8 @@ class Gateway:
                            route: CallRoute | None = None,
                            exchange: Exchange | None = None) -> None:
         started = time.perf_counter()
-        assembler = StreamAssembler()
+        assembler = StreamAssembler(keep_entries=exchange is not None
+                                    or caller_wants_logprobs("chat.completions", body))
         stream = served.engine.chat_stream(engine_body)
         error: str | None = None
         sent = 0

@@ -119,9 +119,12 @@ def completions_from_response(
 
 
 class StreamAssembler:
-    """Rebuilds a chat completion response from its stream chunks."""
+    """Rebuilds a chat completion response from its stream chunks. ``keep_entries=False`` (a
+    caller that did not ask for logprobs) keeps only the sampled tokens' logprobs, not the
+    engine's per-token entries (see :func:`drop_logprob_entries`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_entries: bool = True) -> None:
+        self.keep_entries = keep_entries
         self.base: dict[str, Any] = {}
         self.prompt_token_ids: list[int] = []
         self.choices: dict[int, dict[str, Any]] = {}
@@ -157,8 +160,11 @@ class StreamAssembler:
                 slot["function"]["name"] += fn.get("name") or ""
                 slot["function"]["arguments"] += fn.get("arguments") or ""
             acc["token_ids"].extend(c.get("token_ids") or [])
-            for e in (c.get("logprobs") or {}).get("content") or []:
-                acc["logprobs"].append(e)
+            entries = (c.get("logprobs") or {}).get("content") or []
+            if self.keep_entries:
+                acc["logprobs"].extend(entries)
+            else:
+                acc["logprobs"].extend(float(e["logprob"]) for e in entries)
             if c.get("finish_reason"):
                 acc["finish_reason"] = c["finish_reason"]
 
@@ -176,7 +182,8 @@ class StreamAssembler:
                     "index": index,
                     "message": message,
                     "finish_reason": acc["finish_reason"],
-                    "logprobs": {"content": acc["logprobs"]},
+                    "logprobs": ({"content": acc["logprobs"]} if self.keep_entries else
+                                 {"content": None, SAMPLED_LOGPROBS: acc["logprobs"]}),
                     "token_ids": acc["token_ids"],
                 }
             )
