@@ -32,7 +32,6 @@ import json
 import random
 import tempfile
 import time
-from pathlib import Path
 
 import tracerl
 from tracerl import demo
@@ -182,11 +181,9 @@ def main() -> None:
                     help="vLLM's share of the GPU (the trainer shares it)")
     args = ap.parse_args()
     if args.random_init:
-        from random_models import random_model_dir
+        from random_models import served_random_model
 
-        from tracerl.backend.weights import resolve_base_model
-        tokenizer = Path(args.tokenizer) if args.tokenizer else resolve_base_model("smollm2")
-        args.base_model = str(random_model_dir(args.random_init, tokenizer, vocab="tokenizer"))
+        args.base_model = served_random_model(args.random_init, args.tokenizer)
     print(json.dumps(asyncio.run(measure(args)), indent=1))
 
 

@@ -62,3 +62,12 @@ def random_model_dir(shape: str, tokenizer_from: Path,
         torch.cuda.empty_cache()
     tokenizer.save_pretrained(out)
     return out
+
+
+def served_random_model(shape: str, tokenizer: str | None) -> str:
+    """A random-initialised model of ``shape`` to serve: its vocabulary sized to ``tokenizer``
+    (a folder; default: SmolLM2's, prepared from the package)."""
+    from tracerl.backend.weights import resolve_base_model
+
+    tokenizer_from = Path(tokenizer) if tokenizer else resolve_base_model("smollm2")
+    return str(random_model_dir(shape, tokenizer_from, vocab="tokenizer"))

@@ -189,11 +189,9 @@ def main() -> None:
     args = ap.parse_args()
     base_model = args.base_model
     if args.random_init:
-        from random_models import random_model_dir
+        from random_models import served_random_model
 
-        from tracerl.backend.weights import resolve_base_model
-        tokenizer = Path(args.tokenizer) if args.tokenizer else resolve_base_model("smollm2")
-        base_model = str(random_model_dir(args.random_init, tokenizer, vocab="tokenizer"))
+        base_model = served_random_model(args.random_init, args.tokenizer)
     rows = asyncio.run(measure(args.concurrency, args.max_tokens, args.waves, base_model,
                                args.vllm_arg, args.client,
                                Path(args.profile) if args.profile else None, args.replicas))

@@ -179,6 +179,13 @@ class Attribution:
     tags: dict[str, Any] | None = None
 
 
+def _keeps_logprob_entries(body: dict[str, Any], exchange: Exchange | None) -> bool:
+    """Whether a chat call's reply keeps the engine's per-token logprob entries: when its caller
+    asked for logprobs, or a protocol (Responses, Anthropic) renders the answer; otherwise only
+    the sampled tokens' logprobs are kept (:func:`~.recorder.drop_logprob_entries`)."""
+    return exchange is not None or caller_wants_logprobs("chat.completions", body)
+
+
 async def _without_logprob_entries(reply: Awaitable[dict[str, Any]]) -> dict[str, Any]:
     """The engine's chat reply, its per-token logprob entries dropped in the same step as it is
     decoded (before other calls' replies are: at 256 replies ending together, all of them would
@@ -520,8 +527,7 @@ class Gateway:
             # a request past its deadline is cancelled, in the engine too (vLLM: the HTTP
             # request is closed, which aborts it; transformers: its sequences stop)
             reply = call(engine_body)
-            if (endpoint == "chat.completions" and exchange is None
-                    and not caller_wants_logprobs(endpoint, body)):
+            if endpoint == "chat.completions" and not _keeps_logprob_entries(body, exchange):
                 reply = _without_logprob_entries(reply)
             response = await asyncio.wait_for(reply, timeout)
         except EngineRequestError as e:
@@ -668,8 +674,7 @@ class Gateway:
                            route: CallRoute | None = None,
                            exchange: Exchange | None = None) -> None:
         started = time.perf_counter()
-        assembler = StreamAssembler(keep_entries=exchange is not None
-                                    or caller_wants_logprobs("chat.completions", body))
+        assembler = StreamAssembler(keep_entries=_keeps_logprob_entries(body, exchange))
         stream = served.engine.chat_stream(engine_body)
         error: str | None = None
         sent = 0
