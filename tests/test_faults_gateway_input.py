@@ -160,6 +160,19 @@ def _no_5xx_and_no_write_on_4xx(http: httpx2.Client, data: Path, method: str, pa
     return r
 
 
+@pytest.mark.parametrize("temperature", [1.85e-301, 5e-324])
+def test_a_temperature_too_small_to_divide_by_samples_greedily(http, temperature):
+    """Found by the fuzzer: 1.85e-301 passed validation ([0, 2]) and the engine's logits / T
+    overflowed into a 500. Below 1e-5 it is greedy, as in vLLM."""
+    answers = []
+    for t in (0.0, temperature):
+        r = http.post(f"/rollouts/tiny-t-{uuid.uuid4().hex[:8]}/v1/chat/completions",
+                      json=chat(temperature=t, max_tokens=8, return_token_ids=True))
+        assert r.status_code == 200, r.text[:500]
+        answers.append(r.json()["choices"][0]["token_ids"])
+    assert answers[0] == answers[1]
+
+
 def test_fuzzed_chat_fields_never_get_a_5xx_or_write_on_a_4xx(http, faults_server):
     data = faults_server.path / "data"
 

@@ -55,6 +55,14 @@ def test_a_merged_row_keeps_each_tokens_sampling_temperature(merged):
     assert row.temperatures == [0.5] * 5 + [1.0] * 3
 
 
+@pytest.mark.parametrize("temperature, trained_at", [(0.0, 1.0), (1.85e-301, 1.0),
+                                                     (9.9e-6, 1.0), (1e-5, 1e-5), (0.7, 0.7)])
+def test_a_greedy_call_is_scored_at_temperature_one(temperature, trained_at):
+    """Below 1e-5 the engine sampled greedily; dividing logits by such a temperature overflows."""
+    (row,) = rows_from_calls([call([1, 2], [3], temperature=temperature)], RowStats())
+    assert row.temperatures == [trained_at] * 3
+
+
 def test_recorded_ids_are_used_as_is_when_history_was_re_rendered_differently():
     """The second prompt re-renders the first answer with other tokens: two rows, no merge,
     and each row keeps exactly the ids the engine saw."""

@@ -7,6 +7,11 @@ holds a slot forever (thousands of them turn every call into 503 at ``limit_conc
 ``HEAD_TIMEOUT_S`` of the connection opening or of the previous response ending. Bodies have their
 own deadline (:func:`~tracerl.backend.request_body.read_limited_body`); headers are limited in
 size by h11 (``h11_max_incomplete_event_size``).
+
+A connection cut at that deadline is closed gracefully: a FIN is sent at once, what the client
+still sends is read and dropped, and the socket goes when the client closes its side or
+``LINGER_S`` later. Closing a socket outright while the client is mid-write makes the kernel send
+a reset, which can destroy a response the client has not read yet (a 408 to a trickled body).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 HEAD_TIMEOUT_S = 10.0
+LINGER_S = 2.0
 
 
 def head_timeout_s() -> float:
@@ -32,6 +38,7 @@ class BoundedH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self.head_timeout_s = head_timeout_s()
         self._head_deadline: asyncio.TimerHandle | None = None
+        self._linger_deadline: asyncio.TimerHandle | None = None
 
     def _arm_head_deadline(self) -> None:
         self._disarm_head_deadline()
@@ -47,7 +54,29 @@ class BoundedH11Protocol(H11Protocol):
         if self.transport.is_closing():
             return
         if self.cycle is None or self.cycle.response_complete:  # still waiting for a head
+            self._close_gracefully()
+
+    def _close_gracefully(self) -> None:
+        """FIN now; the socket itself once the client closes its side or ``LINGER_S`` passes."""
+        if not self.transport.can_write_eof():
             self.transport.close()
+            return
+        self.transport.write_eof()
+        self.transport.resume_reading()  # keep draining, so no unread byte turns close into a reset
+        self._linger_deadline = self.loop.call_later(LINGER_S, self.transport.close)
+
+    @property
+    def _lingering(self) -> bool:
+        return self._linger_deadline is not None
+
+    def data_received(self, data: bytes) -> None:
+        if not self._lingering:  # while lingering, what arrives is dropped unread
+            super().data_received(data)
+
+    def eof_received(self) -> None:
+        if self._lingering:  # the client has closed its side: returning None closes the socket
+            return
+        super().eof_received()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -55,6 +84,8 @@ class BoundedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_deadline()
+        if self._linger_deadline is not None:
+            self._linger_deadline.cancel()
         super().connection_lost(exc)
 
     def handle_events(self) -> None:

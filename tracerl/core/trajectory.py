@@ -93,6 +93,15 @@ class CompletionRecord(_Validated):
         return self
 
 
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
+def is_greedy(temperature: float) -> bool:
+    """Whether a call at ``temperature`` samples greedily: below 1e-5 (vLLM's ``_SAMPLING_EPS``)
+    dividing logits by it overflows, so engines take the top token and training scores at 1."""
+    return temperature < GREEDY_BELOW_TEMPERATURE
+
+
 class LLMCall(_Validated):
     """A token-exact record of one LLM call made through the gateway."""
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from ...core.engine import Engine, EngineRequestError, EngineSpec, EngineUnavailableError
 from ...core.hookspecs import hookimpl
+from ...core.trajectory import is_greedy
 from ..chat_template import apply_chat_template_override, render_prompt
 from .tool_parsers import PARSERS, content_before_tool_calls
 
@@ -216,7 +217,7 @@ class TransformersEngine(Engine):
             [[0] * (width - len(ids)) + [1] * len(ids) for _, ids in rows], device=device
         )
         first = batch[0]
-        sample = first.temperature > 0
+        sample = not is_greedy(first.temperature)
         # neutralise generation_config defaults the trainer cannot reproduce (penalties, top-k)
         gen_kwargs: dict[str, Any] = {"do_sample": sample, "repetition_penalty": 1.0,
                                       "no_repeat_ngram_size": 0}

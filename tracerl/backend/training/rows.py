@@ -16,7 +16,7 @@ from typing import Any
 
 from openai.types.chat.chat_completion import Choice
 
-from ...core.trajectory import Conversation, LLMCall
+from ...core.trajectory import Conversation, LLMCall, is_greedy
 
 NAN = float("nan")
 
@@ -68,7 +68,7 @@ class RowStats:
 
 
 def _temperature(call: LLMCall) -> float:
-    return call.temperature if call.temperature and call.temperature > 0 else 1.0
+    return 1.0 if is_greedy(call.temperature) else call.temperature
 
 
 def _start_row(call: LLMCall, completion_index: int) -> Row:
