@@ -63,7 +63,8 @@ class BoundedH11Protocol(H11Protocol):
             return
         self.transport.write_eof()
         self.transport.resume_reading()  # keep draining, so no unread byte turns close into a reset
-        self._linger_deadline = self.loop.call_later(LINGER_S, self.transport.close)
+        # abort, not close: close waits for unsent bytes, which a client that never reads holds up
+        self._linger_deadline = self.loop.call_later(LINGER_S, self.transport.abort)
 
     @property
     def _lingering(self) -> bool:
