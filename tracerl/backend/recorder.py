@@ -49,9 +49,18 @@ def drop_logprob_entries(response: dict[str, Any]) -> dict[str, Any]:
     for choice in response.get("choices") or []:
         content = (choice.get("logprobs") or {}).get("content")
         if content is not None:
-            choice["logprobs"] = {"content": None,
-                                  SAMPLED_LOGPROBS: [float(e["logprob"]) for e in content]}
+            choice["logprobs"] = _sampled_only(_sampled(content))
     return response
+
+
+def _sampled(entries: list[dict[str, Any]]) -> list[float]:
+    """The sampled tokens' logprobs from a chat reply's per-token entries."""
+    return [float(e["logprob"]) for e in entries]
+
+
+def _sampled_only(values: list[float]) -> dict[str, Any]:
+    """A chat choice's ``logprobs`` holding only the sampled tokens' values, no entries."""
+    return {"content": None, SAMPLED_LOGPROBS: values}
 
 
 def strip_for_caller(
@@ -86,7 +95,7 @@ def _chat_logprobs(choice: dict[str, Any]) -> list[float] | None:
     content = logprobs.get("content")
     if content is None:
         return None
-    return [float(e["logprob"]) for e in content]
+    return _sampled(content)
 
 
 def completions_from_response(
@@ -164,7 +173,7 @@ class StreamAssembler:
             if self.keep_entries:
                 acc["logprobs"].extend(entries)
             else:
-                acc["logprobs"].extend(float(e["logprob"]) for e in entries)
+                acc["logprobs"].extend(_sampled(entries))
             if c.get("finish_reason"):
                 acc["finish_reason"] = c["finish_reason"]
 
@@ -183,7 +192,7 @@ class StreamAssembler:
                     "message": message,
                     "finish_reason": acc["finish_reason"],
                     "logprobs": ({"content": acc["logprobs"]} if self.keep_entries else
-                                 {"content": None, SAMPLED_LOGPROBS: acc["logprobs"]}),
+                                 _sampled_only(acc["logprobs"])),
                     "token_ids": acc["token_ids"],
                 }
             )
