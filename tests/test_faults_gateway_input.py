@@ -135,9 +135,11 @@ def test_a_rollout_id_with_a_control_character_is_refused(http, faults_server, r
 
 # --- property-based fuzzing ----------------------------------------------------------------------
 
+# finite floats only: json= cannot send NaN or Infinity (the client raises before sending); the
+# server's answer to them is checked in BAD_FIELDS, sent as raw bytes
 JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False)
-    | st.text(max_size=20),
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
                                                                 max_size=4),
     max_leaves=12)
