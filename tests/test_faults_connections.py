@@ -3,13 +3,15 @@
 When the head deadline cuts a client that is still sending, the server must send a FIN and keep
 reading, so no byte is left unread when the socket closes (an unread byte turns the close into a
 reset, which destroys whatever the client has not read yet). A client that ignores the FIN is
-dropped ``LINGER_S`` later.
+dropped ``LINGER_S`` later. A client that stops reading its answer is dropped once the write has
+made no progress for the write deadline; one that reads slowly gets all of it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -18,21 +20,44 @@ import uvicorn
 from tracerl.backend.http_limits import LINGER_S, uvicorn_options
 
 HEAD_TIMEOUT_S = 1.0
+WRITE_TIMEOUT_S = 1.0
 TRICKLERS = 200
+MIB = 1024 * 1024
+BIG_MIB = 24  # far more than loopback's socket buffers (a few MiB) hold
 
 
-async def _ok(scope, receive, send) -> None:  # a plain ASGI app
-    if scope["type"] == "http":
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"ok"})
+class App:
+    """A plain ASGI app: ``/big`` answers BIG_MIB MiB a MiB at a time, anything else ``ok``."""
+
+    def __init__(self) -> None:
+        self.big_answers_ended = 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] != "/big":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+            return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(BIG_MIB * MIB).encode())]})
+        try:
+            for i in range(BIG_MIB):
+                await send({"type": "http.response.body", "body": bytes([65 + i]) * MIB,
+                            "more_body": i < BIG_MIB - 1})
+        finally:
+            self.big_answers_ended += 1
 
 
 @pytest.fixture
 async def server(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[uvicorn.Server]:
     monkeypatch.setenv("TRACERL_HEAD_TIMEOUT_S", str(HEAD_TIMEOUT_S))
+    monkeypatch.setenv("TRACERL_WRITE_TIMEOUT_S", str(WRITE_TIMEOUT_S))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(_ok, log_level="warning", **uvicorn_options()))
+    app = App()
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **uvicorn_options()))
+    server.app = app
     serving = asyncio.ensure_future(server.serve(sockets=[sock]))
     async with asyncio.timeout(30):  # the startup event, polled: uvicorn offers no awaitable
         while not server.started:
@@ -93,3 +118,56 @@ async def test_a_client_that_closes_after_the_fin_frees_its_slot_at_once(server)
     async with asyncio.timeout(LINGER_S / 2):  # well before the linger would have dropped it
         while server.server_state.connections:
             await asyncio.sleep(0.01)
+
+
+async def _ask_big(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Open a connection with a small receive buffer and ask for the big answer."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    reader, writer = await asyncio.open_connection(sock=sock, limit=2 * MIB)
+    writer.write(b"GET /big HTTP/1.1\r\nHost: a\r\n\r\n")
+    await writer.drain()
+    return reader, writer
+
+
+async def test_a_client_that_stops_reading_its_answer_is_dropped_and_its_handler_ends(server):
+    """Never reading a 24 MiB answer held the handler and the slot for ever before the write
+    deadline; now both go once the buffers have stayed full for it."""
+    reader, writer = await _ask_big(server.port)
+    try:
+        async with asyncio.timeout(WRITE_TIMEOUT_S + 20):  # the deadline, then the drop
+            while server.server_state.connections or server.app.big_answers_ended == 0:
+                await asyncio.sleep(0.01)
+        received = 0
+        try:
+            async with asyncio.timeout(20):
+                while chunk := await reader.read(MIB):
+                    received += len(chunk)
+        except ConnectionError:
+            pass  # aborted: the kernel may reset what the buffers still held
+        assert received < BIG_MIB * MIB
+    finally:
+        writer.close()
+
+
+async def test_a_slow_reader_gets_its_whole_answer_past_the_write_deadline(server):
+    """The deadline is on progress: a client taking a MiB every tenth of a second needs ~2.4 s,
+    more than twice the deadline, with the server's buffers full in between, and gets it all."""
+    reader, writer = await _ask_big(server.port)
+    started = time.monotonic()
+    try:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 200")
+        body = bytearray()
+        async with asyncio.timeout(60):
+            while len(body) < BIG_MIB * MIB:
+                chunk = await reader.read(MIB)
+                assert chunk, f"the server ended the answer after {len(body)} bytes"
+                body += chunk
+                await asyncio.sleep(0.1 * len(chunk) / MIB)  # a slow reader, not a wait
+    finally:
+        writer.close()
+    assert time.monotonic() - started > 2 * WRITE_TIMEOUT_S
+    assert bytes(body) == b"".join(bytes([65 + i]) * MIB for i in range(BIG_MIB))

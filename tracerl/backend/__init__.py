@@ -4,7 +4,7 @@ In flow order (one request, then one training step):
 - ``gateway.py``: the OpenAI-compatible endpoint; routes a call to its model's engine.
 - ``request_body.py``: request bodies read under size and time limits (gateway and control API).
 - ``request_validation.py``: each request field checked (OpenAI-style 400 naming it) before use.
-- ``http_limits.py``: uvicorn's h11 protocol with a deadline on each request head.
+- ``http_limits.py``: uvicorn's h11 protocol with deadlines on request heads and stalled writes.
 - ``protocols/``: Responses and Anthropic Messages, rendered on the chat path.
 - ``external_rollouts.py``: the rollout API (``/v1/rollouts``) for services outside the
   trainer's process: open, spans, reward, finish; the trainer takes finished groups once.

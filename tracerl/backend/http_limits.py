@@ -1,4 +1,4 @@
-"""Connection bounds that uvicorn lacks: a deadline for each request's head.
+"""Connection bounds that uvicorn lacks: deadlines for each request's head and each stalled write.
 
 uvicorn's keep-alive timer is cancelled by the first byte a client sends and is not armed at all
 on a fresh connection, so an idle connection, or one that sends its headers a byte at a time,
@@ -7,6 +7,12 @@ holds a slot forever (thousands of them turn every call into 503 at ``limit_conc
 ``HEAD_TIMEOUT_S`` of the connection opening or of the previous response ending. Bodies have their
 own deadline (:func:`~tracerl.backend.request_body.read_limited_body`); headers are limited in
 size by h11 (``h11_max_incomplete_event_size``).
+
+A response that a client stops reading fills the socket's buffers, and uvicorn then waits for
+them to drain, for ever: a client that never reads a large answer (a long stream, a history)
+held its handler and its slot. When the buffers have stayed full for ``WRITE_TIMEOUT_S`` with no
+byte taken, the connection is aborted, like nginx's ``send_timeout``. It is a deadline on
+progress, not on the whole answer: a slow reader that keeps taking bytes is never cut.
 
 A connection cut at that deadline is closed gracefully: a FIN is sent at once, what the client
 still sends is read and dropped, and the socket goes when the client closes its side or
@@ -17,13 +23,17 @@ a reset, which can destroy a response the client has not read yet (a 408 to a tr
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 HEAD_TIMEOUT_S = 10.0
+WRITE_TIMEOUT_S = 60.0
 LINGER_S = 2.0
+
+logger = logging.getLogger(__name__)
 
 
 def head_timeout_s() -> float:
@@ -31,13 +41,20 @@ def head_timeout_s() -> float:
     return float(os.environ.get("TRACERL_HEAD_TIMEOUT_S", HEAD_TIMEOUT_S))
 
 
+def write_timeout_s() -> float:
+    """Seconds a response write may stay stalled (``TRACERL_WRITE_TIMEOUT_S``, default 60)."""
+    return float(os.environ.get("TRACERL_WRITE_TIMEOUT_S", WRITE_TIMEOUT_S))
+
+
 class BoundedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a deadline on each request head."""
+    """uvicorn's h11 protocol with a deadline on each request head and on each stalled write."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.head_timeout_s = head_timeout_s()
+        self.write_timeout_s = write_timeout_s()
         self._head_deadline: asyncio.TimerHandle | None = None
+        self._write_deadline: asyncio.TimerHandle | None = None
         self._linger_deadline: asyncio.TimerHandle | None = None
 
     def _arm_head_deadline(self) -> None:
@@ -55,6 +72,27 @@ class BoundedH11Protocol(H11Protocol):
             return
         if self.cycle is None or self.cycle.response_complete:  # still waiting for a head
             self._close_gracefully()
+
+    def pause_writing(self) -> None:
+        """The socket's buffers are full: the client has that long to take a byte."""
+        super().pause_writing()
+        self._disarm_write_deadline()
+        self._write_deadline = self.loop.call_later(self.write_timeout_s, self._write_timed_out)
+
+    def resume_writing(self) -> None:
+        self._disarm_write_deadline()
+        super().resume_writing()
+
+    def _disarm_write_deadline(self) -> None:
+        if self._write_deadline is not None:
+            self._write_deadline.cancel()
+            self._write_deadline = None
+
+    def _write_timed_out(self) -> None:
+        self._write_deadline = None
+        logger.warning("dropped a connection from %s: it took no byte of its response for %.0f s",
+                       self.client, self.write_timeout_s)
+        self.transport.abort()  # no FIN to wait for: its buffers are full and it does not read
 
     def _close_gracefully(self) -> None:
         """FIN now; the socket itself once the client closes its side or ``LINGER_S`` passes."""
@@ -85,6 +123,7 @@ class BoundedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_deadline()
+        self._disarm_write_deadline()
         if self._linger_deadline is not None:
             self._linger_deadline.cancel()
         super().connection_lost(exc)
