@@ -5,6 +5,7 @@ import pytest
 
 import tracerl
 from tracerl.core.storage import (
+    OPTIMIZER_FILE,
     ModelStore,
     append_jsonl,
     atomic_directory,
@@ -145,3 +146,17 @@ def test_group_jsonl_write_without_append_replaces_the_file(tmp_path):
     write_groups_jsonl(path, [g1])
     write_groups_jsonl(path, [g2])
     assert read_groups_jsonl(path) == [g2]
+
+
+def test_dropping_optimizer_state_keeps_adapters_and_the_state_of_later_checkpoints(tmp_path):
+    store = ModelStore(tmp_path, "p", "m")
+    for step in (1, 2, 3):
+        with atomic_directory(store.checkpoint_dir(step)) as folder:
+            (folder / "adapter_model.safetensors").write_bytes(b"adapter")
+            (folder / OPTIMIZER_FILE).write_bytes(b"adam")
+    assert store.drop_optimizer_state(before=3) == [1, 2]
+    assert store.drop_optimizer_state(before=3) == []  # already gone: nothing to do
+    assert [(store.checkpoint_dir(s) / OPTIMIZER_FILE).exists() for s in (1, 2, 3)] == [
+        False, False, True]
+    assert all((store.checkpoint_dir(s) / "adapter_model.safetensors").read_bytes() == b"adapter"
+               for s in (1, 2, 3))

@@ -273,3 +273,20 @@ async def test_a_policy_closed_to_bound_memory_reloads_exactly_from_its_checkpoi
     state = reloaded.optimizer.state_dict()["state"]
     assert state.keys() == adam.keys()
     assert all(torch.equal(state[i][k], v) for i, s in adam.items() for k, v in s.items())
+
+
+async def test_only_the_newest_checkpoint_keeps_the_optimizer_state(tf_backend):
+    """Training resumes from the newest checkpoint alone, so a step drops the Adam state of the
+    ones before it (twice an adapter's size each); their adapters stay."""
+    from tracerl.core.storage import OPTIMIZER_FILE
+
+    backend, _ = tf_backend
+    model = tracerl.TrainableModel(name="optimizer-kept", project="tests", base_model="smollm2")
+    await model.register(backend)
+    for _ in range(2):
+        await model.train(await _rollouts(model, [0.0, 1.0]),
+                          config=tracerl.TrainConfig(learning_rate=1e-3))
+    first, second = (backend.store(model).checkpoint_dir(step) for step in (1, 2))
+    assert (first / "adapter_model.safetensors").exists()
+    assert not (first / OPTIMIZER_FILE).exists()
+    assert (second / OPTIMIZER_FILE).exists() and (second / "adapter_model.safetensors").exists()

@@ -5,7 +5,8 @@
     ``history.jsonl``                   one line of metrics per logged step and split
     ``trajectories/{split}/{step:04d}.jsonl``   groups, written before training on them
     ``checkpoints/{step:04d}/``         LoRA adapters; a folder appears only when complete,
-                                        with the step's train metrics in ``step_metrics.json``
+                                        with the step's train metrics in ``step_metrics.json``;
+                                        the newest also holds the optimizer state
     ``calls/{rollout_id}.jsonl``        raw gateway records (backend side)
     ``calls/_unattributed.jsonl``       records of calls made without a rollout id
 
@@ -39,6 +40,7 @@ _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # fullmatch: no trailing newline
 _CHECKPOINT_RE = re.compile(r"^\d{4,}$")
 STEP_METRICS = "step_metrics.json"
+OPTIMIZER_FILE = "optimizer.pt"
 
 
 def validate_name(kind: str, value: str) -> str:
@@ -343,6 +345,18 @@ class ModelStore:
 
     def write_definition(self, definition: dict[str, Any]) -> None:
         atomic_write_text(self.root / "model.json", json.dumps(definition, indent=2))
+
+    def drop_optimizer_state(self, before: int) -> list[int]:
+        """Remove the optimizer state of the checkpoints older than step ``before``; return their
+        steps. Training resumes from the newest checkpoint only, and Adam's state is twice the
+        adapter's size, so each step would otherwise keep three adapters' worth on disk. The
+        adapters themselves stay (exports, evaluation, ``delete_checkpoints``)."""
+        dropped = []
+        for step in self.checkpoint_steps():
+            if step < before and (self.checkpoint_dir(step) / OPTIMIZER_FILE).exists():
+                (self.checkpoint_dir(step) / OPTIMIZER_FILE).unlink(missing_ok=True)
+                dropped.append(step)
+        return dropped
 
     def delete_checkpoints(self, keep: set[int]) -> list[int]:
         """Delete every checkpoint whose step is not in ``keep``, except the newest (it is the

@@ -106,6 +106,10 @@ async def run_update(step: int, update: Callable[[Trainer], dict[str, float]], *
         await asyncio.to_thread(policy.save, tmp)
         atomic_write_text(tmp / STEP_METRICS, json.dumps(metrics, allow_nan=False))
     store.log_history(step, "train", metrics)
+    try:  # the next step resumes from this checkpoint: the older ones' optimizer state is dead
+        store.drop_optimizer_state(before=step)
+    except OSError as e:
+        log.warning("could not remove older checkpoints' optimizer state: %s", e)
     # 7. publish: the next rollouts are served by the new adapter
     await serving.publish(step, store.checkpoint_dir(step))
     yield TrainEvent("done", step, metrics=metrics)

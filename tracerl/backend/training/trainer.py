@@ -19,11 +19,11 @@ import numpy as np
 import torch
 
 from ...core.config import LoraConfig, TrainConfig
+from ...core.storage import OPTIMIZER_FILE
 from ..chat_template import apply_chat_template_override, render_prompt
 from .loss import grpo_per_token_loss, reduce_loss, token_entropy, token_logprobs
 from .rows import NAN, Row, has_unknown_logprobs
 
-OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
 
 
