@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -53,21 +54,18 @@ class BoundedH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self.head_timeout_s = head_timeout_s()
         self.write_timeout_s = write_timeout_s()
-        self._head_deadline: asyncio.TimerHandle | None = None
-        self._write_deadline: asyncio.TimerHandle | None = None
-        self._linger_deadline: asyncio.TimerHandle | None = None
+        self._deadlines: dict[str, asyncio.TimerHandle] = {}  # "head", "write", "linger"
 
-    def _arm_head_deadline(self) -> None:
-        self._disarm_head_deadline()
-        self._head_deadline = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+    def _arm(self, deadline: str, seconds: float, expired: Callable[[], object]) -> None:
+        self._disarm(deadline)
+        self._deadlines[deadline] = self.loop.call_later(seconds, expired)
 
-    def _disarm_head_deadline(self) -> None:
-        if self._head_deadline is not None:
-            self._head_deadline.cancel()
-            self._head_deadline = None
+    def _disarm(self, deadline: str) -> None:
+        if (timer := self._deadlines.pop(deadline, None)) is not None:
+            timer.cancel()
 
     def _head_timed_out(self) -> None:
-        self._head_deadline = None
+        self._deadlines.pop("head", None)
         if self.transport.is_closing():
             return
         if self.cycle is None or self.cycle.response_complete:  # still waiting for a head
@@ -76,20 +74,14 @@ class BoundedH11Protocol(H11Protocol):
     def pause_writing(self) -> None:
         """The socket's buffers are full: the client has that long to take a byte."""
         super().pause_writing()
-        self._disarm_write_deadline()
-        self._write_deadline = self.loop.call_later(self.write_timeout_s, self._write_timed_out)
+        self._arm("write", self.write_timeout_s, self._write_timed_out)
 
     def resume_writing(self) -> None:
-        self._disarm_write_deadline()
+        self._disarm("write")
         super().resume_writing()
 
-    def _disarm_write_deadline(self) -> None:
-        if self._write_deadline is not None:
-            self._write_deadline.cancel()
-            self._write_deadline = None
-
     def _write_timed_out(self) -> None:
-        self._write_deadline = None
+        self._deadlines.pop("write", None)
         logger.warning("dropped a connection from %s: it took no byte of its response for %.0f s",
                        self.client, self.write_timeout_s)
         self.transport.abort()  # no FIN to wait for: its buffers are full and it does not read
@@ -102,11 +94,11 @@ class BoundedH11Protocol(H11Protocol):
         self.transport.write_eof()
         self.transport.resume_reading()  # keep draining, so no unread byte turns close into a reset
         # abort, not close: close waits for unsent bytes, which a client that never reads holds up
-        self._linger_deadline = self.loop.call_later(LINGER_S, self.transport.abort)
+        self._arm("linger", LINGER_S, self.transport.abort)
 
     @property
     def _lingering(self) -> bool:
-        return self._linger_deadline is not None
+        return "linger" in self._deadlines
 
     def data_received(self, data: bytes) -> None:
         if not self._lingering:  # while lingering, what arrives is dropped unread
@@ -119,26 +111,24 @@ class BoundedH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._arm_head_deadline()
+        self._arm("head", self.head_timeout_s, self._head_timed_out)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm_head_deadline()
-        self._disarm_write_deadline()
-        if self._linger_deadline is not None:
-            self._linger_deadline.cancel()
+        for deadline in list(self._deadlines):
+            self._disarm(deadline)
         super().connection_lost(exc)
 
     def handle_events(self) -> None:
         before = self.cycle
         super().handle_events()
         if self.cycle is not before:  # a request head arrived whole
-            self._disarm_head_deadline()
+            self._disarm("head")
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
         if not self.transport.is_closing() and (self.cycle is None
                                                 or self.cycle.response_complete):
-            self._arm_head_deadline()
+            self._arm("head", self.head_timeout_s, self._head_timed_out)
 
 
 def uvicorn_options() -> dict[str, Any]:
