@@ -13,6 +13,7 @@ pytest.importorskip("litellm")
 
 import tracerl
 from tests.conftest import until
+from tests.remote_server import registered_on
 from tracerl.integrations.litellm_proxy import LiteLLMProxy
 
 LITELLM_PYTHON = os.environ.get("TRACERL_LITELLM_PYTHON")
@@ -37,9 +38,10 @@ async def http(proxy):
         yield client
 
 
-async def proxied_call(http: httpx2.AsyncClient, rollout_id: str, **body) -> httpx2.Response:
+async def proxied_call(http: httpx2.AsyncClient, rollout_id: str, model: str = "agent",
+                       **body) -> httpx2.Response:
     return await http.post("/chat/completions", headers={"x-rollout-id": rollout_id},
-                           json={"model": "agent", "max_tokens": 4, "messages": HI, **body})
+                           json={"model": model, "max_tokens": 4, "messages": HI, **body})
 
 
 async def spans_posted(model, rollout_id: str, n: int = 1) -> list[tracerl.Span]:
@@ -106,3 +108,30 @@ async def test_a_call_the_gateway_refuses_is_a_failed_span(http, agent_model):
     assert r.status_code >= 400
     (span,) = await spans_posted(agent_model, rollout_id)
     assert span.error and span.call_id is None and span.response_id is None
+
+
+async def test_a_keyed_gateway_takes_the_proxys_span_posts(faults_server, tmp_path_factory):
+    """Behind ``tracerl serve``'s key, the proxy's span post carries the key it calls with
+    (LiteLLM's ``api_key``): a post without it would be refused with a 401, and only logged."""
+    if not LITELLM_PYTHON:
+        pytest.skip("TRACERL_LITELLM_PYTHON (a venv with LiteLLM's proxy) is not set")
+    model = await registered_on(faults_server.url, "spans-keyed", "keyed",
+                                tracerl.ModelConfig(engine=tracerl.EngineConfig(max_model_len=256)))
+    base_url, key = model.endpoint()
+    assert key != "tracerl"  # the server's key, not the loopback placeholder
+    try:
+        with LiteLLMProxy(upstream_base_url=base_url, upstream_api_key=key,
+                          model_names=[model.name], python=LITELLM_PYTHON,
+                          directory=tmp_path_factory.mktemp("proxy-keyed")) as p:
+            async with httpx2.AsyncClient(base_url=p.base_url, timeout=120, headers={
+                    "Authorization": f"Bearer {p.master_key}"}) as http:
+                with tracerl.rollout_scope():
+                    rollout_id = tracerl.rollout_headers(model)["x-rollout-id"]
+                    r = await proxied_call(http, rollout_id, model=model.name)
+                assert r.status_code == 200, r.text
+                (span,) = await spans_posted(model, rollout_id)
+        (call,) = await model.fetch_calls(rollout_id)
+        # the link a gathered trajectory makes: the provider response id of the recorded call
+        assert (span.framework, span.response_id) == ("litellm-proxy", call.response["id"])
+    finally:
+        await model.backend.close()
