@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import json
 import random
+import sys
 import tempfile
 import time
 
@@ -151,6 +152,10 @@ async def measure(args: argparse.Namespace) -> dict:
                                               args.steps, args.bound, schedule)
                 results[kind].append(args.steps * 60 / seconds)
                 curves[kind].append(schedule.curve)
+                # each side as it ends, so a run cut short by its time limit still tells
+                print(json.dumps({"side": kind, "repeat": repeat, "seconds": seconds,
+                                  "steps_per_min": results[kind][-1]}), file=sys.stderr,
+                      flush=True)
     finally:
         await backend.close()
     best = {k: max(v) for k, v in results.items()}

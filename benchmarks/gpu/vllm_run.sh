@@ -53,10 +53,12 @@ loop_check() {  # the whole loop: rollouts, a GRPO step with vLLM asleep, the ad
   grep -E '^\{"(step|served)' "$OUT/$name.log" || tail -30 "$OUT/$name.log"
 }
 async_check() {  # async-SHAPE: the async pipeline (bound 2) vs the sync loop, steps per minute,
-  # vLLM serving while the trainer trains on the same GPU; rollouts of 64/256/1024 tokens
+  # vLLM serving while the trainer trains on the same GPU; rollouts of 64/256/1024 tokens.
+  # ASYNC_STEPS (default 3): 4 did not fit one call beside two ~200 s vLLM starts (session 12);
+  # each side's result is in the log as soon as it ends
   local shape=${1#async-}
   timeout ${ROLLOUT_TIMEOUT_S:-560} python3 benchmarks/async_vs_sync.py --engine vllm \
-    --random-init "$shape" --tokenizer .vllm2/tok --gpu-memory-utilization 0.5 --steps 4 \
+    --random-init "$shape" --tokenizer .vllm2/tok --gpu-memory-utilization 0.5 --steps ${ASYNC_STEPS:-3} \
     --groups 4 --group-size 8 --bound 2 --lengths 64 256 1024 --env-s 0 1 --repeats 1 \
     > "$OUT/$1.json" 2> "$OUT/$1.log" || { echo "FAILED $1"; tail -40 "$OUT/$1.log"; }
   cat "$OUT/$1.json"
