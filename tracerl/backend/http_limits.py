@@ -34,7 +34,7 @@ HEAD_TIMEOUT_S = 10.0
 WRITE_TIMEOUT_S = 60.0
 LINGER_S = 2.0
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 
 def head_timeout_s() -> float:
@@ -82,7 +82,7 @@ class BoundedH11Protocol(H11Protocol):
 
     def _write_timed_out(self) -> None:
         self._deadlines.pop("write", None)
-        logger.warning("dropped a connection from %s: it took no byte of its response for %.0f s",
+        log.warning("dropped a connection from %s: it took no byte of its response for %.0f s",
                        self.client, self.write_timeout_s)
         self.transport.abort()  # no FIN to wait for: its buffers are full and it does not read
 
