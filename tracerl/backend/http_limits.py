@@ -83,7 +83,7 @@ class BoundedH11Protocol(H11Protocol):
     def _write_timed_out(self) -> None:
         self._deadlines.pop("write", None)
         log.warning("dropped a connection from %s: it took no byte of its response for %.0f s",
-                       self.client, self.write_timeout_s)
+                    self.client, self.write_timeout_s)
         self.transport.abort()  # no FIN to wait for: its buffers are full and it does not read
 
     def _close_gracefully(self) -> None:

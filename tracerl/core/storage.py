@@ -353,8 +353,9 @@ class ModelStore:
         adapters themselves stay (exports, evaluation, ``delete_checkpoints``)."""
         dropped = []
         for step in self.checkpoint_steps():
-            if step < before and (self.checkpoint_dir(step) / OPTIMIZER_FILE).exists():
-                (self.checkpoint_dir(step) / OPTIMIZER_FILE).unlink(missing_ok=True)
+            state = self.checkpoint_dir(step) / OPTIMIZER_FILE
+            if step < before and state.exists():
+                state.unlink(missing_ok=True)
                 dropped.append(step)
         return dropped
 
