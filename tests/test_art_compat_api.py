@@ -14,9 +14,9 @@ from openai.types.chat.chat_completion import Choice
 
 import tracerl
 import tracerl as art
-from tracerl.core import plugins
 from tracerl.core.art_compat import train_config_from_art_kwargs
 from tracerl.core.trajectory import read_groups_jsonl
+from tracerl.events import plugins
 from tracerl.utils.sft import create_lr_schedule, create_sft_dataset_iterator, iterate_file
 from tracerl.utils.strip_logprobs import strip_logprobs
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import tracerl
-from tracerl.core import hookspecs, plugins
-from tracerl.core.lifecycle import score_group
+from tracerl.events import hookspecs, plugins
+from tracerl.events.lifecycle import score_group
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,7 +75,7 @@ def test_loggers_are_registered_only_when_enabled(case):
     env, loggers = LOGGER_SETTINGS[case]
     out = run_py(
         """
-        from tracerl.core.plugins import get_plugin_manager
+        from tracerl.events.plugins import get_plugin_manager
         names = get_plugin_manager().list_name_plugin()
         print(sorted(n for n, _ in names if n.endswith("_logger")))
     """,
@@ -88,7 +88,7 @@ def test_loggers_are_registered_only_when_enabled(case):
 
 def test_an_unknown_logger_is_refused_by_name():
     out = run_py("""
-        from tracerl.core.plugins import get_plugin_manager
+        from tracerl.events.plugins import get_plugin_manager
         get_plugin_manager()
     """, "", TRACERL_LOGGERS="wandb,nosuchlogger")
     assert out.returncode != 0
@@ -156,7 +156,7 @@ def test_tracerl_hooks_names_third_party_implementers(hooks_listing):
 def test_a_third_party_judge_scores_a_group(plugin_site):
     out = run_py("""
         import asyncio, tracerl
-        from tracerl.core.lifecycle import score_group
+        from tracerl.events.lifecycle import score_group
         g = tracerl.TrajectoryGroup([
             tracerl.Trajectory(messages_and_choices=[{"role": "assistant", "content": "abc"}]),
             tracerl.Trajectory(messages_and_choices=[{"role": "assistant", "content": "a"}])])
@@ -170,7 +170,7 @@ def test_a_third_party_judge_scores_a_group(plugin_site):
 def test_a_third_party_logger_receives_logged_metrics(plugin_site):
     out = run_py("""
         import asyncio, tracerl, tracerl_example_plugin
-        from tracerl.core.lifecycle import step_logged
+        from tracerl.events.lifecycle import step_logged
         model = tracerl.ModelSpec(name="m", project="p", base_model="smollm2")
         asyncio.run(step_logged(model, 3, "val", {"reward": 0.25}, []))
         print(tracerl_example_plugin.LOGGED)
@@ -183,7 +183,7 @@ def test_a_third_party_logger_receives_logged_metrics(plugin_site):
                          ids=["not-blocked", "blocked"])
 def test_blocked_plugins_are_not_loaded(plugin_site, blocked, loaded):
     out = run_py("""
-        from tracerl.core.plugins import list_plugins
+        from tracerl.events.plugins import list_plugins
         print("\\n".join(sorted(p.name for p in list_plugins())))
     """, plugin_site, TRACERL_BLOCK_PLUGINS=blocked)
     assert out.returncode == 0, out.stderr

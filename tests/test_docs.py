@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tracerl.core import errors, hookspecs
+from tracerl.core import errors
+from tracerl.events import hookspecs
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOKS = [name for name, fn in vars(hookspecs).items() if hasattr(fn, "tracerl_spec")]

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 import tracerl
-from tracerl.core.lifecycle import trajectory_finished
-from tracerl.core.plugins import get_plugin_manager, register
+from tracerl.events.lifecycle import trajectory_finished
+from tracerl.events.plugins import get_plugin_manager, register
 from tracerl.integrations.langfuse_logger import LangfuseLogger
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,8 +83,8 @@ def test_spans_reach_a_local_otlp_receiver_as_protobuf(tmp_path):
         import sys
         sys.path.insert(0, sys.argv[1])
         from tests.test_integrations_langfuse_logger import trajectory
-        from tracerl.core.lifecycle import trajectory_finished
-        from tracerl.core.plugins import get_plugin_manager
+        from tracerl.events.lifecycle import trajectory_finished
+        from tracerl.events.plugins import get_plugin_manager
         trajectory_finished(trajectory())
         logger = get_plugin_manager().get_plugin("langfuse_logger")
         logger.flush()

@@ -253,7 +253,7 @@ async def test_an_explicit_handler_outside_rollouts_keeps_its_spans(agent_model)
 
 
 async def test_a_chat_model_made_in_the_first_rollout_records_that_rollouts_spans(agent_model):
-    from tracerl.core.plugins import get_plugin_manager
+    from tracerl.events.plugins import get_plugin_manager
 
     get_plugin_manager().unregister(name="langchain")  # as in a fresh process
     with tracerl.rollout_scope() as ro:  # started before any init_chat_model

@@ -44,8 +44,8 @@ def test_offline_run_files_contain_metrics_and_trajectory_tables(tmp_path):
     code = textwrap.dedent("""
         import asyncio
         import tracerl
-        from tracerl.core.lifecycle import step_logged, train_event
-        from tracerl.core.plugins import get_plugin_manager
+        from tracerl.events.lifecycle import step_logged, train_event
+        from tracerl.events.plugins import get_plugin_manager
         m = tracerl.ModelSpec(name="wb-model", project="wb-project", base_model="smollm2")
         g = tracerl.TrajectoryGroup([tracerl.Trajectory(
             messages_and_choices=[{"role": "assistant", "content": "hi"}], reward=r)

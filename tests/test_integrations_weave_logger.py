@@ -6,8 +6,8 @@ import socket
 import pytest
 
 import tracerl
-from tracerl.core.lifecycle import trajectory_finished
-from tracerl.core.plugins import get_plugin_manager, register
+from tracerl.events.lifecycle import trajectory_finished
+from tracerl.events.plugins import get_plugin_manager, register
 from tracerl.integrations import weave_logger
 from tracerl.integrations.weave_logger import WeaveLogger
 

@@ -208,7 +208,7 @@ async def test_ruler_as_after_each_and_as_plugin(judge, monkeypatch):
     server, _ = judge(good(lambda tid, k: 0.25 * (k + 1)))
     monkeypatch.setenv("TRACERL_RULER_MODEL", "judge")
     monkeypatch.setenv("TRACERL_RULER_BASE_URL", server.url)
-    from tracerl.core.lifecycle import score_group
+    from tracerl.events.lifecycle import score_group
 
     async def rollout(answer):
         return traj(answer)

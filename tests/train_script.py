@@ -32,7 +32,7 @@ async def main(path, mode):
     await model.register(backend)
     config = tracerl.TrainConfig(learning_rate=1e-4)
     if mode == "crash":
-        from tracerl.core.plugins import register
+        from tracerl.events.plugins import register
 
         register(HangInStepTwo(), name="hang")
         for _ in range(2):

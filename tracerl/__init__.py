@@ -1,9 +1,10 @@
 """tracerl: train the LLM inside an existing agent with GRPO, token-exactly.
 
 The package is built by stage, each importing only those below it: ``core`` (data model and
-contracts), ``rollout`` (the user's process), ``backend`` (gateway, engines, training),
-``remote`` (``tracerl serve`` and its client), then ``integrations`` and ``ruler``; the CLI
-sits on top. Heavy parts (torch, vLLM, FastAPI) load only when a backend is created.
+contracts), ``events`` (plugin hooks and where they fire), ``rollout`` (the user's process),
+``backend`` (gateway, engines, training), ``remote`` (``tracerl serve`` and its client), then
+``integrations`` and ``ruler``; the CLI sits on top. Heavy parts (torch, vLLM, FastAPI) load
+only when a backend is created.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from .core.errors import (
     TracerlError,
     TrainingError,
 )
-from .core.hookspecs import HOOKSPEC_VERSION, hookimpl
 from .core.model_spec import ModelSpec
 from .core.spans import Span
 from .core.trajectory import (
@@ -43,6 +43,7 @@ from .core.trajectory import (
     Trajectory,
     TrajectoryGroup,
 )
+from .events.hookspecs import HOOKSPEC_VERSION, hookimpl
 from .rollout.client import rollout_headers
 from .rollout.external import gather_external_groups
 from .rollout.gather import gather_trajectories, gather_trajectory_groups

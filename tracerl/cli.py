@@ -19,8 +19,8 @@ def _availability(classes: dict[str, type]) -> str:
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
-    from .core.hookspecs import HOOKSPEC_VERSION
-    from .core.plugins import collect_classes, list_plugins
+    from .events.hookspecs import HOOKSPEC_VERSION
+    from .events.plugins import collect_classes, list_plugins
 
     print(f"tracerl plugin API {HOOKSPEC_VERSION}")
     for p in list_plugins():
@@ -40,8 +40,8 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 def _cmd_hooks(args: argparse.Namespace) -> int:
     import textwrap
 
-    from .core.hookspecs import HOOKSPEC_VERSION
-    from .core.plugins import hook_reference
+    from .events.hookspecs import HOOKSPEC_VERSION
+    from .events.plugins import hook_reference
 
     print(f"tracerl plugin API {HOOKSPEC_VERSION}: implement these in a module decorated with "
           "@tracerl.hookimpl (any subset of each hook's arguments)")

@@ -41,10 +41,10 @@ from ..core.errors import (
     TracerlError,
     error_type,
 )
-from ..core.lifecycle import llm_call_recorded
 from ..core.storage import ModelStore, validate_name
 from ..core.trajectory import LLMCall
 from ..core.watchdog import watch
+from ..events.lifecycle import llm_call_recorded
 from .external_rollouts import ExternalRollouts
 from .protocols.anthropic_messages import AnthropicMessages
 from .protocols.base import Exchange

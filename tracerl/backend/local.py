@@ -22,10 +22,8 @@ from ..core.backend import Backend, InferenceEndpoint, LocalTrainResult, TrainEv
 from ..core.config import DistributedTrainerConfig, EngineConfig, TrainConfig, TrainSFTConfig
 from ..core.engine import Engine, EngineError, EngineSpec
 from ..core.errors import ConfigError, RankFailedError, TrainingError
-from ..core.hookspecs import hookimpl
 from ..core.model_spec import ModelLike, ModelSpec, spec_of
 from ..core.net import is_loopback
-from ..core.plugins import collect_classes
 from ..core.spans import Span
 from ..core.storage import ModelStore
 from ..core.trajectory import (
@@ -36,6 +34,8 @@ from ..core.trajectory import (
     write_groups_jsonl,
 )
 from ..core.watchdog import watch
+from ..events.hookspecs import hookimpl
+from ..events.plugins import collect_classes
 from .engines.replica_set import build_engine
 from .publishing import AdapterPublisher
 from .training.health import claim_rollouts

@@ -7,7 +7,7 @@ Data model:
 - ``config.py``: ``TrainConfig``, ``LoraConfig``, ``EngineConfig``, ``ModelConfig``,
   ``DistributedTrainerConfig``.
 - ``model_spec.py``: ``ModelSpec``, what a backend knows of a model.
-- ``context.py``: the current rollout (a ``ContextVar``) and call tags.
+- ``context.py``: the current rollout (a ``ContextVar``), its observers, and call tags.
 - ``spans.py``: framework structure of a rollout, linked to its LLM calls.
 - ``trajectory.py``: token-exact call records, trajectories, groups, their JSONL form.
 - ``metrics.py``: aggregate metrics of groups.
@@ -20,8 +20,7 @@ Contracts:
 - ``backend.py``: the ``Backend`` contract and its ``TrainEvent`` stream.
 - ``engine.py``: the ``Engine`` contract (and its errors).
 - ``launcher.py``: the ``Launcher`` contract: where distributed trainer ranks and replicas run.
-- ``hookspecs.py``: every plugin hook, documented.
-- ``plugins.py``: the plugin manager (built-ins, enabled loggers, entry points).
-- ``lifecycle.py``: where every hook is fired.
+- ``hookspecs.py``, ``plugins.py``: the old import paths of :mod:`tracerl.events`' modules
+  (plugin hooks and the plugin manager), kept for plugins written before; core fires no hook.
 - ``art_compat.py``: OpenPipe ART compatibility: every ART-only behaviour, listed.
 """

@@ -4,7 +4,9 @@ A backend serves registered models for inference, records their calls and trains
 given :class:`~tracerl.core.model_spec.ModelSpec` objects (or the user's model handle, whose
 ``spec`` it reads with :func:`~tracerl.core.model_spec.spec_of`), and
 reports a training step as :class:`TrainEvent` objects from :meth:`Backend.train_events`; its
-caller fires the lifecycle hooks from them (:mod:`tracerl.core.lifecycle`).
+caller fires the lifecycle hooks from them (:mod:`tracerl.events.lifecycle`). Core fires no
+hooks: :meth:`Backend.train` hands each event to the observers of :func:`observe_training`,
+which the event layer subscribes to.
 
 :meth:`Backend.train` is ART 0.5's ``await backend.train(model, groups, **kwargs)``: the same step
 with ART's keyword arguments, returning a :class:`TrainResult`; like ART's, it does not log.
@@ -16,15 +18,14 @@ import asyncio
 import logging
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Coroutine, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from .art_compat import train_config_from_art_kwargs
 from .config import TrainConfig, TrainSFTConfig
 from .errors import ConfigError, InvalidTrajectoryError, TrainingError
-from .lifecycle import train_event
-from .model_spec import ModelLike, spec_of
+from .model_spec import ModelLike, ModelSpec, spec_of
 from .spans import Span
 from .trajectory import LLMCall, Trajectory, TrajectoryGroup, attach_scoped_calls
 
@@ -69,6 +70,19 @@ class LocalTrainResult(TrainResult):
     """``LocalBackend.train``'s result (ART's ``LocalTrainResult``): with the checkpoint."""
 
     checkpoint_path: str | None = None
+
+
+TrainObserver = Callable[[ModelSpec, TrainEvent, list[TrajectoryGroup], TrainConfig],
+                         Awaitable[None]]
+_train_observers: list[TrainObserver] = []
+
+
+def observe_training(observer: TrainObserver) -> None:
+    """Await ``observer(model, event, groups, config)`` for each event of a step trained by
+    :meth:`Backend.train` (ART's call; ``model.train`` fires its hooks itself). The event layer
+    subscribes here (:mod:`tracerl.events`) to fire the training hooks."""
+    if observer not in _train_observers:
+        _train_observers.append(observer)
 
 
 class Backend(ABC):
@@ -118,7 +132,8 @@ class Backend(ABC):
         spec = spec_of(model)
         result = TrainResult(step=0)
         async for event in self.train_events(spec, groups, config):
-            await train_event(spec, event, groups, config, log_metrics=False)
+            for observer in _train_observers:
+                await observer(spec, event, groups, config)
             if event.kind == "done":
                 result = TrainResult(step=event.step, metrics=dict(event.metrics))
         return result

@@ -17,8 +17,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .lifecycle import rollout_started
-
 T = TypeVar("T")
 
 ROLLOUT_HEADER = "x-rollout-id"
@@ -59,12 +57,24 @@ _call_tags: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextV
 )
 
 
+RolloutObserver = Callable[[RolloutContext], list[Callable[[], None]]]
+_rollout_observers: list[RolloutObserver] = []
+
+
+def observe_rollouts(observer: RolloutObserver) -> None:
+    """Call ``observer(rollout)`` whenever a rollout is entered, in that rollout's context; it
+    returns what undoes its work when the rollout's scope ends. Core fires no plugin hooks: the
+    event layer subscribes here (:mod:`tracerl.events`) and fires ``tracerl_rollout_started``."""
+    if observer not in _rollout_observers:
+        _rollout_observers.append(observer)
+
+
 def enter_rollout(ctx: RolloutContext) -> tuple[contextvars.Token[RolloutContext | None],
                                                   list[Callable[[], None]]]:
-    """Make ``ctx`` the current rollout and fire ``tracerl_rollout_started`` in its context;
-    returns what undoes both."""
+    """Make ``ctx`` the current rollout and tell the observers, in its context; returns what
+    undoes both."""
     token = _current.set(ctx)
-    return token, rollout_started(ctx)
+    return token, [undo for observer in _rollout_observers for undo in observer(ctx)]
 
 
 def new_rollout_id() -> str:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 import sys
 
-from ..core.hookspecs import hookimpl
 from ..core.model_spec import ModelSpec
+from ..events.hookspecs import hookimpl
 
 SHOWN = ("reward", "reward_std", "loss", "num_trajectories", "num_exceptions", "seconds")
 

@@ -32,10 +32,10 @@ from langchain_core.tracers.context import register_configure_hook
 from pydantic import Field, PrivateAttr
 
 from ..core.context import RolloutContext, current_rollout
-from ..core.hookspecs import hookimpl
-from ..core.plugins import get_plugin_manager
-from ..core.plugins import register as register_plugin
 from ..core.trajectory import Trajectory
+from ..events.hookspecs import hookimpl
+from ..events.plugins import get_plugin_manager
+from ..events.plugins import register as register_plugin
 from ..rollout.client import async_http_client, sync_http_client
 from ..rollout.gather import run_as_rollout
 from .span_recorder import SpanRecorder, short

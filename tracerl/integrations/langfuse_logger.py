@@ -3,7 +3,7 @@
 Registered when ``TRACERL_LOGGERS`` names ``langfuse``; the client then reads Langfuse's own
 environment (``LANGFUSE_PUBLIC_KEY``, ``LANGFUSE_SECRET_KEY``, ``LANGFUSE_BASE_URL``). To pass
 arguments instead (a ``span_exporter`` in tests), register an instance yourself:
-``tracerl.core.plugins.register(LangfuseLogger(span_exporter=...), name="langfuse_logger")``.
+``tracerl.events.plugins.register(LangfuseLogger(span_exporter=...), name="langfuse_logger")``.
 Spans go out over OTLP; call :meth:`LangfuseLogger.flush` before the process ends.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from ..core.hookspecs import hookimpl
 from ..core.trajectory import Trajectory
+from ..events.hookspecs import hookimpl
 
 
 class LangfuseLogger:

@@ -11,9 +11,9 @@ import json
 import threading
 from typing import Any
 
-from ..core.hookspecs import hookimpl
 from ..core.model_spec import ModelSpec
 from ..core.trajectory import TrajectoryGroup
+from ..events.hookspecs import hookimpl
 
 
 class WandbLogger:

@@ -4,7 +4,7 @@ reward as the rollout call's output and as feedback.
 Registered when ``TRACERL_LOGGERS`` names ``weave``: the client is then ``weave.init(project)``
 with the project from ``TRACERL_WEAVE_PROJECT`` (``entity/project`` or ``project``; default
 ``tracerl``). To use a client of your own, register ``WeaveLogger(client)`` with
-``tracerl.core.plugins.register``. Calls go out in Weave's background batches;
+``tracerl.events.plugins.register``. Calls go out in Weave's background batches;
 :meth:`WeaveLogger.flush` waits for them. Weave's own settings (``WANDB_API_KEY``,
 ``WF_TRACE_SERVER_URL``...) apply as usual.
 """
@@ -16,8 +16,8 @@ import os
 import threading
 from typing import Any
 
-from ..core.hookspecs import hookimpl
 from ..core.trajectory import Trajectory
+from ..events.hookspecs import hookimpl
 
 ROLLOUT_OP = "tracerl.rollout"
 LLM_CALL_OP = "tracerl.llm_call"

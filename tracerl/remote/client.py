@@ -44,12 +44,12 @@ from ..core.errors import (
     TrainingError,
     exception_for,
 )
-from ..core.hookspecs import hookimpl
 from ..core.loops import PerLoop
 from ..core.model_spec import ModelLike, spec_of
 from ..core.net import is_loopback
 from ..core.spans import Span
 from ..core.trajectory import LLMCall, TrajectoryGroup, parse_group_lines
+from ..events.hookspecs import hookimpl
 from .wire import API_PREFIX, NDJSON, encode_groups
 
 T = TypeVar("T")

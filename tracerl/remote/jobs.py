@@ -26,10 +26,10 @@ from ..core.errors import (
     TrainConflictError,
     code_of,
 )
-from ..core.lifecycle import train_event
 from ..core.model_spec import ModelSpec
 from ..core.storage import ModelStore, atomic_write_text, validate_name
 from ..core.trajectory import TrajectoryGroup, read_groups_jsonl
+from ..events.lifecycle import train_event
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Any
 from ..backend.local import LocalBackend
 from ..core.errors import ConfigError
 from ..core.net import is_loopback
-from ..core.plugins import register as register_plugin
+from ..events.plugins import register as register_plugin
 from .server import ControlServer
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,6 @@ from ..core.context import (
     rollout_scope,
 )
 from ..core.errors import RolloutTimeoutError, TooManyExceptionsError
-from ..core.lifecycle import trajectory_finished
 from ..core.spans import link_spans_to_calls
 from ..core.trajectory import (
     PendingTrajectoryGroup,
@@ -38,6 +37,7 @@ from ..core.trajectory import (
     spans_of,
 )
 from ..core.watchdog import watch
+from ..events.lifecycle import trajectory_finished
 from .client import CLOSED_KEY
 
 DEFAULT_ROLLOUT_TIMEOUT_S = 600.0

@@ -13,13 +13,13 @@ from ..core.art_compat import model_config_from_art, train_options_from_art
 from ..core.config import ModelConfig, TrainConfig, TrainSFTConfig
 from ..core.context import current_rollout
 from ..core.errors import ConfigError, InvalidTrajectoryError, NotRegisteredError
-from ..core.lifecycle import step_logged, train_event
 from ..core.loops import PerLoop
 from ..core.metrics import summarize_groups
 from ..core.model_spec import ModelSpec
 from ..core.spans import Span
 from ..core.storage import validate_name
 from ..core.trajectory import LLMCall, Trajectory, TrajectoryGroup, attach_scoped_calls
+from ..events.lifecycle import step_logged, train_event
 from . import client as _client
 from .gather import why_no_training_data
 

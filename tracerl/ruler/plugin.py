@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..core.hookspecs import hookimpl
+from ..events.hookspecs import hookimpl
 
 
 @hookimpl

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from ...core.engine import Engine, EngineRequestError, EngineSpec, EngineUnavailableError
-from ...core.hookspecs import hookimpl
 from ...core.trajectory import is_greedy
+from ...events.hookspecs import hookimpl
 from ..chat_template import apply_chat_template_override, render_prompt
 from .tool_parsers import PARSERS, content_before_tool_calls
 

@@ -28,8 +28,8 @@ import aiohttp
 
 from ...core.engine import Engine, EngineRequestError, EngineSpec, EngineUnavailableError
 from ...core.errors import EngineError
-from ...core.hookspecs import hookimpl
 from ...core.net import free_port, stop_process_group
+from ...events.hookspecs import hookimpl
 from ..chat_template import chat_template_path
 from .json_codec import loads
 

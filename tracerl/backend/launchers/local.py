@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 from typing import IO
 
-from ...core.hookspecs import hookimpl
 from ...core.launcher import Launcher
 from ...core.net import free_port, stop_process_group
+from ...events.hookspecs import hookimpl
 
 STOP_GRACE_S = 10.0
 # torchrun's failure summary: "rank      : 1 (local_rank: 1)" ... "exitcode  : -9 (pid: 123)"

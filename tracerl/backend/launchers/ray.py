@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from ...core.engine import Engine, EngineSpec, EngineUnavailableError
-from ...core.hookspecs import hookimpl
 from ...core.launcher import Launcher
+from ...events.hookspecs import hookimpl
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from typing import Any
 from ...core.config import DistributedTrainerConfig, LoraConfig, TrainConfig
 from ...core.errors import ConfigError, RankFailedError, TrainingError
 from ...core.launcher import Launcher
-from ...core.plugins import collect_classes
+from ...events.plugins import collect_classes
 from ..chat_template import apply_chat_template_override
 from .rank import COORDINATOR_ENV, COORDINATOR_KEY_ENV
 from .rows import Row

@@ -2,7 +2,7 @@
 
 Stages report what happened (a rollout started, a call was recorded, a backend yielded a
 :class:`~tracerl.core.backend.TrainEvent`); this module turns it into hook calls, in one place,
-on the thread each hook's documentation promises (:mod:`tracerl.core.hookspecs`).
+on the thread each hook's documentation promises (:mod:`tracerl.events.hookspecs`).
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .errors import PluginError
+from ..core.errors import PluginError
 from .plugins import get_plugin_manager
 
 if TYPE_CHECKING:
-    from .backend import TrainEvent
-    from .config import TrainConfig
-    from .context import RolloutContext
-    from .model_spec import ModelSpec
-    from .trajectory import LLMCall, Trajectory, TrajectoryGroup
+    from ..core.backend import TrainEvent
+    from ..core.config import TrainConfig
+    from ..core.context import RolloutContext
+    from ..core.model_spec import ModelSpec
+    from ..core.trajectory import LLMCall, Trajectory, TrajectoryGroup
 
 
 def rollout_started(rollout: RolloutContext) -> list[Callable[[], None]]:
@@ -75,3 +75,9 @@ async def score_group(group: TrajectoryGroup, judge: str | None = None) -> Any:
         raise PluginError(f"no judge plugin scores groups (judge={judge!r}); "
                           "see `tracerl plugins`")
     return await result if inspect.isawaitable(result) else result
+
+
+async def art_train_event(model: ModelSpec, event: TrainEvent, groups: list[TrajectoryGroup],
+                          config: TrainConfig) -> None:
+    """The hooks of an event of ART's ``backend.train`` (which logs nothing, as ART's does)."""
+    await train_event(model, event, groups, config, log_metrics=False)

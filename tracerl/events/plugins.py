@@ -1,0 +1,239 @@
+"""The plugin manager: tracerl's built-in plugins, then the ``tracerl`` entry-point group.
+
+Built-in plugins are listed here by name and module (:data:`BUILTIN_PLUGINS`), the way pytest
+lists its default plugins; third-party plugins come from entry points. Loggers are registered
+only when enabled (:data:`LOGGERS`, turned on by ``TRACERL_LOGGERS``), like pytest's junitxml:
+a logger that is off is not loaded at all.
+
+Environment:
+    ``TRACERL_LOGGERS``        comma-separated loggers to turn on: wandb, langfuse, weave
+    ``TRACERL_QUIET``          set to 1 to turn off the console logger
+    ``TRACERL_BLOCK_PLUGINS``  comma-separated plugin names never to load
+    ``TRACERL_TRACE_PLUGINS``  set to 1 to log every hook call (logger ``tracerl.plugins``)
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import inspect
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import pluggy
+
+from ..core.errors import PluginError
+from . import hookspecs
+
+ENTRY_POINT_GROUP = "tracerl"
+log = logging.getLogger(__name__)
+
+# name -> module; each module holds @hookimpl functions
+BUILTIN_PLUGINS = {
+    "transformers_engine": "tracerl.backend.engines.transformers_engine",
+    "vllm_engine": "tracerl.backend.engines.vllm_engine",
+    "local_backend": "tracerl.backend.local",
+    "remote_backend": "tracerl.remote.client",
+    "local_launcher": "tracerl.backend.launchers.local",
+    "ray_launcher": "tracerl.backend.launchers.ray",
+    "ruler": "tracerl.ruler.plugin",
+}
+# logger name (as in TRACERL_LOGGERS) -> "module:factory"; the factory makes the plugin object
+LOGGERS = {
+    "console": "tracerl.integrations.console_logger:ConsoleLogger",
+    "wandb": "tracerl.integrations.wandb_logger:WandbLogger",
+    "langfuse": "tracerl.integrations.langfuse_logger:LangfuseLogger",
+    "weave": "tracerl.integrations.weave_logger:WeaveLogger",
+}
+
+_lock = threading.Lock()
+_manager: pluggy.PluginManager | None = None
+_dist_info: dict[str, tuple[str | None, str | None]] = {}
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    name: str
+    module: str
+    distribution: str | None
+    version: str | None
+    hooks: list[str]
+
+
+def _check_api(name: str, plugin: Any) -> None:
+    wanted = getattr(plugin, "TRACERL_PLUGIN_API", hookspecs.HOOKSPEC_VERSION)
+    if not isinstance(wanted, int) or wanted > hookspecs.HOOKSPEC_VERSION:
+        raise PluginError(
+            f"plugin {name!r} needs tracerl plugin API {wanted!r}, but this tracerl provides "
+            f"{hookspecs.HOOKSPEC_VERSION}; upgrade tracerl or pin an older plugin"
+        )
+
+
+def _blocked() -> set[str]:
+    return {b.strip() for b in os.environ.get("TRACERL_BLOCK_PLUGINS", "").split(",") if b.strip()}
+
+
+def enabled_loggers() -> list[str]:
+    """The loggers ``TRACERL_LOGGERS`` turns on, plus the console one unless TRACERL_QUIET=1."""
+    names = [n.strip() for n in os.environ.get("TRACERL_LOGGERS", "").split(",") if n.strip()]
+    unknown = [n for n in names if n not in LOGGERS]
+    if unknown:
+        raise PluginError(f"TRACERL_LOGGERS names unknown loggers {unknown}; "
+                          f"known: {sorted(LOGGERS)}")
+    console = [] if os.environ.get("TRACERL_QUIET") == "1" else ["console"]
+    return [*console, *dict.fromkeys(n for n in names if n != "console")]
+
+
+def _load_builtins(pm: pluggy.PluginManager, blocked: set[str]) -> None:
+    for name, module in BUILTIN_PLUGINS.items():
+        if name not in blocked:
+            pm.register(importlib.import_module(module), name=name)
+            _dist_info[name] = ("tracerl", _version())
+    for name in enabled_loggers():
+        if name in blocked:
+            continue
+        module, _, factory = LOGGERS[name].partition(":")
+        pm.register(getattr(importlib.import_module(module), factory)(), name=f"{name}_logger")
+        _dist_info[f"{name}_logger"] = ("tracerl", _version())
+
+
+def _version() -> str | None:
+    try:
+        return importlib.metadata.version("tracerl")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _load_entry_points(pm: pluggy.PluginManager, blocked: set[str]) -> None:
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in blocked or pm.get_plugin(ep.name) is not None or pm.is_blocked(ep.name):
+            continue
+        try:
+            plugin = ep.load()
+        except Exception as e:
+            raise PluginError(f"plugin {ep.name!r} ({ep.value}) failed to import: {e}") from e
+        _check_api(ep.name, plugin)
+        pm.register(plugin, name=ep.name)
+        dist = ep.dist
+        _dist_info[ep.name] = (dist.name if dist else None, dist.version if dist else None)
+
+
+def _new_manager() -> pluggy.PluginManager:
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    blocked = _blocked()
+    _load_builtins(pm, blocked)
+    _load_entry_points(pm, blocked)
+    for name in blocked:
+        pm.set_blocked(name)
+    pm.check_pending()
+    if os.environ.get("TRACERL_TRACE_PLUGINS") == "1":
+        pm.trace.root.setwriter(lambda s: log.debug("%s", s.rstrip()))
+        pm.enable_tracing()
+    return pm
+
+
+def get_plugin_manager() -> pluggy.PluginManager:
+    """The process-wide plugin manager, created (and entry points loaded) on first use."""
+    global _manager
+    with _lock:
+        if _manager is None:
+            _manager = _new_manager()
+        return _manager
+
+
+def reset_plugin_manager() -> None:
+    """Forget the manager so the next use reloads entry points (tests, plugin development)."""
+    global _manager
+    with _lock:
+        _manager = None
+
+
+def register(plugin: Any, name: str | None = None) -> str:
+    """Register a plugin object or module at run time (for code that is not packaged)."""
+    pm = get_plugin_manager()
+    _check_api(name or repr(plugin), plugin)
+    result = pm.register(plugin, name=name)
+    if result is None:
+        raise PluginError(f"plugin {name or plugin!r} is blocked or already registered")
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as e:
+        pm.unregister(name=result)
+        raise PluginError(f"plugin {result!r} implements a hook that does not exist: {e}") from e
+    return result
+
+
+def list_plugins() -> list[PluginInfo]:
+    pm = get_plugin_manager()
+    out = []
+    for name, plugin in pm.list_name_plugin():
+        if plugin is None:
+            continue
+        dist, version = _dist_info.get(name, (None, None))
+        hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or [])
+        module = plugin.__name__ if inspect.ismodule(plugin) else type(plugin).__module__
+        out.append(PluginInfo(
+            name=name, module=module,
+            distribution=dist, version=version,
+            hooks=hooks,
+        ))
+    return sorted(out, key=lambda p: p.name)
+
+
+@dataclass(frozen=True)
+class HookDoc:
+    """One hook of the plugin API, as a plugin author needs it."""
+
+    name: str
+    signature: str
+    doc: str
+    first_result: bool
+    implemented_by: list[str]
+
+
+def _signature(name: str, fn: Any) -> str:
+    """``name(arg: Type, ...) -> Type`` from the (postponed, so textual) annotations."""
+    sig = inspect.signature(fn)
+    params = ", ".join(
+        p.name if p.annotation is inspect.Parameter.empty else f"{p.name}: {p.annotation}"
+        for p in sig.parameters.values()
+    )
+    return f"{name}({params}) -> {sig.return_annotation}"
+
+
+def hook_reference() -> list[HookDoc]:
+    """Every hook in :mod:`tracerl.events.hookspecs`, in source order, with the plugins that
+    implement it now."""
+    pm = get_plugin_manager()
+    out = []
+    for name, fn in vars(hookspecs).items():
+        spec = getattr(fn, f"{hookspecs.PROJECT}_spec", None)
+        if spec is None:
+            continue
+        callers = pm.hook.__dict__.get(name)
+        implementers = sorted({pm.get_name(impl.plugin) or "?" for impl in callers.get_hookimpls()}
+                              if callers is not None else set())
+        out.append(HookDoc(name=name, signature=_signature(name, fn),
+                           doc=inspect.cleandoc(fn.__doc__ or ""),
+                           first_result=bool(spec.get("firstresult")), implemented_by=implementers))
+    return out
+
+
+def collect_classes(hook_name: str) -> dict[str, type]:
+    """Gather the classes returned by a list-returning hook (engines, backends), keyed by name."""
+    pm = get_plugin_manager()
+    found: dict[str, type] = {}
+    for result in getattr(pm.hook, hook_name)():
+        for cls in result or []:
+            name = getattr(cls, "name", None)
+            if not name:
+                raise PluginError(f"{hook_name} returned {cls!r} without a 'name'")
+            if name in found and found[name] is not cls:
+                raise PluginError(f"two plugins provide {hook_name[8:-1]} {name!r}: "
+                                  f"{found[name].__module__} and {cls.__module__}")
+            found[name] = cls
+    return found
