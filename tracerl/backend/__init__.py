@@ -1,11 +1,18 @@
-"""backend: the GPU side, where calls are served, recorded and trained on. Imports ``core``.
+"""backend: the GPU side, where calls are served, recorded and trained on. Imports ``core``
+and ``events``.
 
 In flow order (one request, then one training step):
-- ``gateway.py``: the OpenAI-compatible endpoint; routes a call to its model's engine.
-- ``request_body.py``: request bodies read under size and time limits (gateway and control API).
-- ``request_validation.py``: each request field checked (OpenAI-style 400 naming it) before use.
+- ``gateway.py``: the OpenAI-compatible endpoint; one call from its route to its answer.
+- ``http_answers.py``: OpenAI-shaped errors and the API-key check (gateway and control API).
 - ``http_limits.py``: uvicorn's h11 protocol with deadlines on request heads and stalled writes.
-- ``protocols/``: Responses and Anthropic Messages, rendered on the chat path.
+- ``request_body.py``: request bodies read under size and time limits (gateway and control API).
+- ``protocols/``: every API served (chat, completions, Responses, Anthropic Messages, plugins'),
+  each rendered on the engine's chat or completions call; ``registry.py`` finds them.
+- ``request_validation.py``: each request field, the rollout id and call tags checked
+  (OpenAI-style 400 naming the field) before use.
+- ``served.py``: served models, the adapter version each name resolves to, the swap lock.
+- ``supervisor.py``: an engine call's failure as the caller's answer; dead engines restarted.
+- ``stream_pump.py``: a streamed call, forwarded chunk by chunk and recorded by its own task.
 - ``external_rollouts.py``: the rollout API (``/v1/rollouts``) for services outside the
   trainer's process: open, spans, reward, finish; the trainer takes finished groups once.
 - ``recorder.py``: turns engine answers into token-exact ``LLMCall`` records, kept per rollout.

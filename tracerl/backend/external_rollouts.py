@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,10 +53,13 @@ from ..core.trajectory import (
     fill_messages_from_calls,
 )
 from .request_body import parse_json_object, read_limited_body
+from .served import ModelTable, ServedModel
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
+# a route of the rollout API: (request, the path's rollout id, the parsed body) -> its JSON
+RouteFn = Callable[[Request, Any, Any], Awaitable[Any]]
 MAX_SPANS_PER_POST = 1000
 LATE_CALLS = "_late.jsonl"  # in calls/: its name cannot be a rollout id (leading ``_``)
 STATUSES = ("ok", "failed")
@@ -209,9 +212,9 @@ def _reward_event(kind: str, rollout_id: str, body: dict[str, Any]) -> dict[str,
 class ExternalRollouts:
     """The rollout API's state, per model, and its routes on a gateway."""
 
-    def __init__(self, gateway: Any) -> None:
-        """``gateway``: the :class:`~tracerl.backend.gateway.Gateway` (its models, routing)."""
-        self.gateway = gateway
+    def __init__(self, models: ModelTable) -> None:
+        """``models``: the gateway's served models (rollouts are opened on one of them)."""
+        self.models = models
         self._lock = threading.Lock()  # the gateway's loop and the trainer's thread share it
         self._models: dict[Path, _ModelRollouts] = {}
         self._late_warned = 0
@@ -226,7 +229,7 @@ class ExternalRollouts:
 
     def _find(self, rollout_id: str) -> tuple[_ModelRollouts, ExternalRollout]:
         validate_name("rollout id", rollout_id)
-        for served in list(self.gateway.models.values()):
+        for served in list(self.models.values()):
             state = self._of(served.store)
             if rollout_id in state.rollouts:
                 return state, state.rollouts[rollout_id]
@@ -251,7 +254,7 @@ class ExternalRollouts:
                         LATE_CALLS, self._late_warned)
         return late_calls_path(store)
 
-    def open(self, served: Any, group: str | None, group_size: int | None,
+    def open(self, served: ServedModel, group: str | None, group_size: int | None,
              metadata: dict[str, Any]) -> ExternalRollout:
         rollout_id = "ext-" + uuid.uuid4().hex
         with self._lock:
@@ -294,11 +297,11 @@ class ExternalRollouts:
                 return self._find(rollout_id)[0].store
         except RolloutNotFoundError:
             pass
-        for served in self.gateway.models.values():
+        for served in self.models.values():
             if served.store.calls_path(rollout_id).exists():
                 return served.store
         if model is not None:
-            return self.gateway._route(model)[0].store
+            return self.models.route(model)[0].store
         raise RolloutNotFoundError(f"no rollout {rollout_id} is known on this gateway: no call "
                                    "was recorded under it; name its model "
                                    "({\"model\": ..., \"spans\": [...]})")
@@ -340,7 +343,7 @@ class ExternalRollouts:
                 return parse_json_object(b'{"spans": ' + raw + b"}")["spans"]
             return parse_json_object(raw or b"{}")
 
-        def answer(fn: Any) -> Any:
+        def answer(fn: RouteFn) -> Callable[[Request, str | None], Awaitable[Any]]:
             async def route(request: Request, rollout_id: str | None = None) -> Any:
                 try:
                     body = await body_of(request) if request.method == "POST" else None
@@ -372,7 +375,7 @@ class ExternalRollouts:
             if not isinstance(metadata, dict):
                 raise invalid("metadata", "must be a JSON object")
             try:
-                served = self.gateway._route(model)[0]
+                served = self.models.route(model)[0]
             except TracerlError as e:
                 raise invalid("model", str(e)) from None
             r = await asyncio.to_thread(self.open, served, group, size, metadata)

@@ -43,6 +43,7 @@ from .training.sft import sft_step
 from .training.step import train_step
 
 if TYPE_CHECKING:
+    from .served import ServedModel
     from .training.distributed import DistributedPolicy
     from .training.trainer import Trainer
 
@@ -113,7 +114,7 @@ class _GatewayThread:
 class _ServingOnGateway:
     """A model's engine and route, driven from a training step (on the gateway's loop)."""
 
-    def __init__(self, gateway: _GatewayThread, route: Any, engine: Engine,
+    def __init__(self, gateway: _GatewayThread, route: ServedModel, engine: Engine,
                  publisher: AdapterPublisher | None = None) -> None:
         self.gateway, self.route, self.engine = gateway, route, engine
         self.publisher = publisher
@@ -330,7 +331,7 @@ class LocalBackend(Backend):
     # --- Backend API -----------------------------------------------------------------------
 
     async def register(self, model: ModelLike) -> InferenceEndpoint:
-        from .gateway import ServedModel
+        from .served import ServedModel
         from .weights import resolve_base_model
 
         model = self._placed(model)
@@ -360,7 +361,12 @@ class LocalBackend(Backend):
             await self._gateway().call(route.swap_adapter(step, store.checkpoint_dir(step)))
         freeze_long_lived_objects()
         return InferenceEndpoint(self.base_url, self.api_key or "tracerl-local",
-                                 self.gateway.model_id(route))
+                                 self.inference_name(model))
+
+    def inference_name(self, model: ModelLike) -> str:
+        """The model name callers send for registered ``model``: its name, or
+        ``project/name`` while another project serves a model of that name."""
+        return self.gateway.model_id(self.gateway.models[spec_of(model).key])
 
     async def pending_groups(self, model: ModelLike) -> list[TrajectoryGroup]:
         """Groups saved for a step whose training never finished (a crash): train on them again

@@ -1,21 +1,35 @@
 """Turning engine responses into token-exact :class:`LLMCall` records, and keeping them.
 
-What the gateway injects for training (logprobs, token ids) is removed again from what the
-caller gets back unless the caller asked for it.
+The gateway records each call through one :class:`CallRecording`: ``rec =
+recorder.begin(...)`` before the engine call (it makes the engine request: the caller's plus
+logprobs and token ids), ``rec.feed(chunk)`` for each chunk of a stream, then ``await
+rec.finish(...)``, which builds the record, writes it and fires ``tracerl_on_llm_call``.
 """
 
 from __future__ import annotations
 
-import copy
+import asyncio
 import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ..core.engine import CallRoute
 from ..core.storage import ModelStore, append_jsonl, read_jsonl
 from ..core.trajectory import CompletionRecord, LLMCall
+from ..events.lifecycle import llm_call_recorded
+from .protocols.base import Endpoint, Exchange
+from .protocols.openai import caller_wants_logprobs, strip_for_caller
+
+if TYPE_CHECKING:
+    from .request_validation import Attribution
+
+__all__ = ["CallRecording", "CallStore", "Recorder", "StreamAssembler", "build_call",
+           "caller_wants_logprobs", "completions_from_response", "drop_logprob_entries",
+           "inject_training_fields", "strip_for_caller"]
 
 
 def inject_training_fields(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -32,13 +46,6 @@ def inject_training_fields(endpoint: str, body: dict[str, Any]) -> dict[str, Any
 
 
 SAMPLED_LOGPROBS = "tracerl_sampled_logprobs"
-
-
-def caller_wants_logprobs(endpoint: str, caller_body: dict[str, Any]) -> bool:
-    """Whether the caller itself asked for logprobs (the gateway always asks the engine)."""
-    if endpoint == "completions":  # logprobs=0 asks for the sampled token's logprob
-        return caller_body.get("logprobs") is not None
-    return bool(caller_body.get("logprobs"))
 
 
 def drop_logprob_entries(response: dict[str, Any]) -> dict[str, Any]:
@@ -61,31 +68,6 @@ def _sampled(entries: list[dict[str, Any]]) -> list[float]:
 def _sampled_only(values: list[float]) -> dict[str, Any]:
     """A chat choice's ``logprobs`` holding only the sampled tokens' values, no entries."""
     return {"content": None, SAMPLED_LOGPROBS: values}
-
-
-def strip_for_caller(
-    endpoint: str, caller_body: dict[str, Any], payload: dict[str, Any]
-) -> dict[str, Any]:
-    """Remove what the caller did not ask for from a response or stream chunk."""
-    want_ids = bool(caller_body.get("return_token_ids"))
-    want_logprobs = caller_wants_logprobs(endpoint, caller_body)
-    if want_logprobs and want_ids:
-        return payload
-    out = copy.copy(payload)
-    if not want_ids:
-        out.pop("prompt_token_ids", None)
-    choices = []
-    for c in out.get("choices") or []:
-        c = dict(c)
-        if not want_ids:
-            c.pop("token_ids", None)
-            c.pop("prompt_token_ids", None)
-        if not want_logprobs and "logprobs" in c:
-            c["logprobs"] = None
-        choices.append(c)
-    if "choices" in out:
-        out["choices"] = choices
-    return out
 
 
 def _chat_logprobs(choice: dict[str, Any]) -> list[float] | None:
@@ -257,3 +239,83 @@ class CallStore:
         with self._file_lock(path):
             records = read_jsonl(path)
         return [LLMCall.model_validate(r) for r in records]
+
+
+@dataclass
+class CallRecording:
+    """One call being recorded, from the engine request to the record on disk."""
+
+    calls: CallStore
+    store: ModelStore
+    endpoint: Endpoint
+    exchange: Exchange
+    who: Attribution
+    step: int | None
+    route: CallRoute
+    engine_body: dict[str, Any]
+    started: float = field(default_factory=time.perf_counter)
+    assembler: StreamAssembler | None = None
+
+    def feed(self, chunk: dict[str, Any]) -> None:
+        """One chunk of a streamed answer, as the engine sent it."""
+        if self.assembler is not None:
+            self.assembler.add(chunk)
+
+    async def finish(self, response: dict[str, Any] | None = None, *, error: str | None = None,
+                     disconnected: bool = False) -> LLMCall:
+        """Record the call: ``response`` (the engine's reply; a stream's is assembled from its
+        chunks). The record is on disk when this returns, even if the caller's task is
+        cancelled meanwhile; then ``tracerl_on_llm_call`` fires. A failed write raises
+        :class:`~tracerl.core.errors.StorageError` (the caller must not train on it)."""
+        streamed = self.assembler is not None
+        if self.assembler is not None:
+            response = self.assembler.response()
+        elif (response is not None and self.endpoint == "chat.completions"
+              and not self.exchange.keeps_logprob_entries):
+            # before any await: at 256 replies ending together, the engine's per-token entries
+            # of all of them would otherwise be alive at once (BENCHMARKS.md, the c256 tail)
+            drop_logprob_entries(response)
+        body = self.exchange.chat_body
+        call = build_call(endpoint=self.endpoint, caller_body=body, response=response,
+                          rollout_id=self.who.rollout_id, model=body.get("model", ""),
+                          adapter_step=self.step, latency_s=time.perf_counter() - self.started,
+                          streamed=streamed, error=error)
+        if self.who.tags:
+            call.metadata["tags"] = self.who.tags
+        if disconnected:
+            call.metadata["disconnected"] = True
+        if self.route.replica is not None:
+            call.metadata["replica"] = self.route.replica
+        call.metadata.update(self.exchange.metadata)
+        # Serialising and fsyncing a record takes milliseconds: done in a worker thread, so that
+        # hundreds of concurrent calls do not queue behind each other's disk writes. The write
+        # and the plugin hook happen even if the caller is cancelled meanwhile (a client that
+        # went away).
+        written = asyncio.ensure_future(asyncio.to_thread(self.calls.add, self.store, call))
+
+        def notify(done: asyncio.Future[None]) -> None:
+            if not done.cancelled() and done.exception() is None:
+                llm_call_recorded(call)
+
+        written.add_done_callback(notify)
+        await asyncio.shield(written)
+        return call
+
+
+class Recorder:
+    """The gateway's recorder: where calls are kept, and one :class:`CallRecording` per call."""
+
+    def __init__(self, calls: CallStore) -> None:
+        self.calls = calls
+
+    def begin(self, store: ModelStore, exchange: Exchange, endpoint: Endpoint,
+              engine_model: str, who: Attribution, step: int | None,
+              route: CallRoute, streamed: bool = False) -> CallRecording:
+        """Start recording a call that ``engine_model`` answers (``streamed``: chunk by chunk,
+        through :meth:`CallRecording.feed`): its engine request is ``rec.engine_body``; latency
+        counts from now."""
+        engine_body = inject_training_fields(endpoint, {**exchange.chat_body,
+                                                        "model": engine_model})
+        assembler = StreamAssembler(exchange.keeps_logprob_entries) if streamed else None
+        return CallRecording(self.calls, store, endpoint, exchange, who, step, route,
+                             engine_body, assembler=assembler)

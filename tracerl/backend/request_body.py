@@ -93,3 +93,16 @@ def gunzip_limited(data: bytes, limit: int) -> bytes:
     if not inflater.eof:
         raise BadBodyEncodingError("request body is truncated gzip")
     return out
+
+
+MAX_BODY_BYTES = 32 * 1024 * 1024  # a gateway request's body, decompressed
+PARSE_IN_THREAD_BYTES = 256 * 1024  # larger bodies are parsed off the event loop
+
+
+async def read_json_body(request: Request, limit: int = MAX_BODY_BYTES) -> dict[str, Any]:
+    """A gateway request's JSON object body, read under the size and time limits; a large one
+    is parsed in a worker thread, so that it cannot stall the event loop."""
+    raw = await read_limited_body(request, limit)
+    if len(raw) > PARSE_IN_THREAD_BYTES:
+        return await asyncio.to_thread(parse_json_object, raw)
+    return parse_json_object(raw)

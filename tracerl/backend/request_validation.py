@@ -3,20 +3,28 @@
 Each malformed field is refused with an OpenAI-style 400 that names it (``param``). Bounds follow
 what OpenAI and vLLM refuse: ``n`` up to 128, ``top_logprobs`` up to 20, ``logprobs`` (legacy
 completions) up to 5, temperatures in [0, 2], penalties in [-2, 2], at most 4 stop strings, and
-``max_tokens`` no larger than the model's context length.
+``max_tokens`` no larger than the model's context length. The rollout id and call tags a
+request carries (path or headers) are checked here too.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
+from ..core.context import MAX_TAGS_BYTES, ROLLOUT_HEADER, TAGS_HEADER
 from ..core.engine import EngineRequestError
+from ..core.errors import ConfigError
+from ..core.storage import validate_name
 
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 MAX_STOP = 4
+MAX_CHARS_PER_TOKEN = 256  # a prompt longer than this many characters per token cannot fit
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
@@ -182,3 +190,58 @@ def check_request(endpoint: str, body: dict[str, Any], *, max_model_len: int,
             raise _bad(key, "expected an object")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise _bad("user", "expected a string")
+    if endpoint == "chat.completions":
+        chars = sum(len(json.dumps(m.get("content"))) for m in body["messages"])
+    else:
+        chars = len(body["prompt"]) if isinstance(body["prompt"], str) else 0
+    if chars > max_model_len * MAX_CHARS_PER_TOKEN:
+        raise EngineRequestError(
+            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{chars} characters, more than that many tokens can hold",
+            param="messages" if endpoint == "chat.completions" else "prompt",
+            code="context_length_exceeded")
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """Who made a call: the rollout (path or header) and the caller's call tags."""
+
+    rollout_id: str | None
+    tags: dict[str, Any] | None = None
+
+
+def attribution(path_rollout: str | None, headers: Mapping[str, str]) -> Attribution:
+    """The rollout id (the path's, else the ``x-rollout-id`` header's) and the call tags of a
+    request; a 4xx :class:`EngineRequestError` naming the one that is malformed."""
+    rollout_id = path_rollout or headers.get(ROLLOUT_HEADER)
+    if rollout_id is not None:
+        try:
+            validate_name("rollout id", rollout_id)
+        except ConfigError as e:
+            raise EngineRequestError(str(e), status=e.status, param="rollout_id",
+                                     code=e.code) from None
+    return Attribution(rollout_id, parse_tags(headers.get(TAGS_HEADER)))
+
+
+def parse_tags(header: str | None) -> dict[str, Any] | None:
+    """The ``x-tracerl-tags`` header: a small JSON object of scalar values."""
+    if header is None:
+        return None
+    if len(header.encode()) > MAX_TAGS_BYTES:
+        raise EngineRequestError(
+            f"{TAGS_HEADER} is larger than {MAX_TAGS_BYTES} bytes", param=TAGS_HEADER
+        )
+    try:
+        tags = json.loads(header)
+    except json.JSONDecodeError:
+        raise EngineRequestError(
+            f"{TAGS_HEADER} must be a JSON object", param=TAGS_HEADER
+        ) from None
+    if not isinstance(tags, dict) or not all(
+        isinstance(k, str) and isinstance(v, str | int | float | bool | type(None))
+        for k, v in tags.items()
+    ):
+        raise EngineRequestError(
+            f"{TAGS_HEADER} must be a JSON object of scalar values", param=TAGS_HEADER
+        )
+    return tags

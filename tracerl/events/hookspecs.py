@@ -102,6 +102,32 @@ def tracerl_launchers() -> list[type]:
     """
 
 
+@hookspec
+def tracerl_protocols() -> list[type]:
+    """Return the API protocols this plugin serves on the gateway.
+
+    Arguments: none.
+
+    Returns: classes implementing :class:`tracerl.backend.protocols.base.Protocol`, each with
+    a unique ``name``, its POST ``routes`` under ``/v1`` (also served under
+    ``/rollouts/{rollout_id}/v1``), the engine ``endpoint`` it is rendered on
+    (``"chat.completions"`` or ``"completions"``) and ``begin(body)``, which translates one
+    request into an :class:`~tracerl.backend.protocols.base.Exchange`. Every call of every
+    protocol is recorded the same token-exact way; the record's metadata carries the
+    exchange's ``metadata``. A name or route that another protocol has is refused
+    (:class:`~tracerl.core.errors.PluginError`) when the gateway is built.
+
+    Called: once per gateway, when it is built (``LocalBackend()``, ``tracerl serve``), on the
+    thread that builds it; each class is instantiated once for that gateway.
+
+    Example::
+
+        @tracerl.hookimpl
+        def tracerl_protocols():
+            return [MyProtocol]
+    """
+
+
 # --- trajectory capture -----------------------------------------------------------------------
 
 @hookspec

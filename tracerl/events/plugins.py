@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 BUILTIN_PLUGINS = {
     "transformers_engine": "tracerl.backend.engines.transformers_engine",
     "vllm_engine": "tracerl.backend.engines.vllm_engine",
+    "protocols": "tracerl.backend.protocols.registry",
     "local_backend": "tracerl.backend.local",
     "remote_backend": "tracerl.remote.client",
     "local_launcher": "tracerl.backend.launchers.local",

@@ -16,7 +16,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..backend.chat_template import builtin_templates
-from ..backend.gateway import KeyRequired, error_response
+from ..backend.http_answers import KeyCheck, KeyRequired, error_response
 from ..backend.request_body import parse_json_object, read_limited_body
 from ..backend.weights import SMOLLM2_ALIASES
 from ..core.config import ModelConfig, TrainConfig
@@ -127,7 +127,7 @@ class ControlServer:
     async def _json(self, request: Request) -> dict[str, Any]:
         return parse_json_object(await read_limited_body(request, SMALL_BODY_BYTES) or b"{}")
 
-    def install(self, app: FastAPI, check_auth: Any) -> None:
+    def install(self, app: FastAPI, check_auth: KeyCheck) -> None:
         """Add the control routes to ``app`` (the gateway's), guarded by ``check_auth``."""
         router = APIRouter(prefix=API_PREFIX)
 
@@ -145,8 +145,7 @@ class ControlServer:
         @router.post("/models")
         async def register(request: Request) -> dict[str, Any]:
             model = await self.register(await self._json(request))
-            route = self.backend.gateway.models[model.key]  # unique across projects
-            return {"model_name": self.backend.gateway.model_id(route),
+            return {"model_name": self.backend.inference_name(model),
                     "step": await self.backend.get_step(model), "gateway_path": "/v1"}
 
         @router.get("/models/{project}/{name}")

@@ -17,6 +17,7 @@ from typing import Any
 from .base import (
     ChatStreamReader,
     Exchange,
+    Protocol,
     bad,
     function_tool,
     only_choice,
@@ -104,8 +105,11 @@ def _tool_choice(raw: Any) -> tuple[Any, bool | None]:
     raise bad("tool_choice must be {type: auto|any|none} or {type: tool, name}", "tool_choice")
 
 
-class AnthropicMessages:
+class AnthropicMessages(Protocol):
     """The protocol: one ``MessagesExchange`` per request."""
+
+    name = "anthropic.messages"
+    routes = ("/messages",)
 
     def begin(self, body: dict[str, Any]) -> MessagesExchange:
         max_tokens = body.get("max_tokens")
@@ -232,5 +236,5 @@ class MessagesExchange(Exchange):
                             usage={"output_tokens": r.output_tokens}),
                 self._event("message_stop")]
 
-    def error_event(self, message: str) -> bytes:
+    def error_event(self, message: str, code: str | None = None) -> bytes:
         return self._event("error", error={"type": "api_error", "message": message})

@@ -1,11 +1,19 @@
-"""What every protocol exchange provides to the gateway, and the chat stream reader they share."""
+"""What every protocol provides to the gateway (its routes, the engine call it is rendered on,
+one :class:`Exchange` per request), and the chat stream reader they share.
+
+A protocol module declares a :class:`Protocol` subclass; the gateway serves every protocol
+that :mod:`.registry` finds (tracerl's own and those of ``tracerl_protocols`` plugins), each
+route under ``/v1`` and ``/rollouts/{rollout_id}/v1``, and runs every request the same way:
+``exchange = protocol.begin(body)``, the engine call with ``exchange.chat_body``, the record,
+then ``exchange.answer(...)`` (or ``stream_events`` ... ``final_events`` for a stream).
+"""
 
 from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 from ...core.engine import EngineRequestError
 
@@ -20,12 +28,20 @@ def sse(event: str, data: dict[str, Any]) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data)}\n\n".encode()
 
 
+Endpoint = Literal["chat.completions", "completions"]
+
+
 class Exchange(ABC):
-    """One request of a protocol: its chat translation and the answer translated back."""
+    """One request of a protocol: its translation for the engine and the answer translated
+    back. ``chat_body`` is the engine request (a chat completion request, or a completions one
+    for a protocol on that endpoint); ``id`` the protocol's id for this request."""
 
     protocol: str
     id: str
     chat_body: dict[str, Any]
+    # whether the engine's per-token logprob entries are kept for this call (its caller asked
+    # for logprobs, or the protocol renders them); otherwise only the sampled tokens' values
+    keeps_logprob_entries: bool = True
 
     @abstractmethod
     def answer(self, chat_response: dict[str, Any]) -> dict[str, Any]:
@@ -40,12 +56,31 @@ class Exchange(ABC):
         """The closing events, sent once the record is on disk."""
 
     @abstractmethod
-    def error_event(self, message: str) -> bytes:
-        """The event telling the caller the stream broke off."""
+    def error_event(self, message: str, code: str | None = None) -> bytes:
+        """The event telling the caller the stream broke off (``code``: the error's code)."""
 
     @property
     def metadata(self) -> dict[str, Any]:
+        """What the call's record keeps of the exchange (``LLMCall.metadata``)."""
         return {"protocol": self.protocol, "id": self.id}
+
+
+class Protocol(ABC):
+    """An API the gateway serves: its routes and how one request of it is exchanged.
+
+    Instantiated once per gateway (it may keep state, as Responses keeps stored responses);
+    ``begin`` runs on the gateway's event loop for every request and must not block.
+    """
+
+    name: ClassVar[str]  # unique; e.g. "responses"
+    routes: ClassVar[tuple[str, ...]]  # POST paths under /v1, e.g. ("/responses",)
+    endpoint: ClassVar[Endpoint] = "chat.completions"  # the engine call it is rendered on
+    streams: ClassVar[bool] = True  # whether ``"stream": true`` is served
+
+    @abstractmethod
+    def begin(self, body: dict[str, Any]) -> Exchange:
+        """One request: its exchange, or an :class:`EngineRequestError` naming the field at
+        fault (answered 4xx; nothing is recorded)."""
 
 
 @dataclass

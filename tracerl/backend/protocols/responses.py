@@ -25,7 +25,16 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
-from .base import ChatStreamReader, Exchange, bad, function_tool, only_choice, sse, text_of
+from .base import (
+    ChatStreamReader,
+    Exchange,
+    Protocol,
+    bad,
+    function_tool,
+    only_choice,
+    sse,
+    text_of,
+)
 
 MAX_STORED = 1024
 _TEXT_PARTS = ("input_text", "output_text")
@@ -123,8 +132,11 @@ def _tool_choice(raw: Any) -> Any:
     raise bad("tool_choice must be auto, none, required or {type: function, name}", "tool_choice")
 
 
-class Responses:
+class Responses(Protocol):
     """The protocol: stored responses, and one ``ResponsesExchange`` per request."""
+
+    name = "responses"
+    routes = ("/responses",)
 
     def __init__(self, store: ResponseStore | None = None) -> None:
         self.store = store or ResponseStore()
@@ -330,6 +342,6 @@ class ResponsesExchange(Exchange):
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
         return [*events, self._event(kind, response=done)]
 
-    def error_event(self, message: str) -> bytes:
+    def error_event(self, message: str, code: str | None = None) -> bytes:
         return self._event("error", code="server_error", message=message, param=None)
 

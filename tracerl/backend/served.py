@@ -1,0 +1,259 @@
+"""Served models and their versions: which engine and adapter answer a requested model name.
+
+A :class:`ServedModel` is one trainable model's route (its engine, store, the adapter steps it
+serves, the lock that holds new calls while its adapter is swapped); the :class:`ModelTable` is
+the gateway's set of them, by ``project/name``, and resolves what a caller asked for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..core.engine import Engine, EngineRequestError, EngineTimeoutError
+from ..core.storage import ModelStore
+from ..core.watchdog import watch
+
+MAX_PINNED_ROLLOUTS = 65536  # rollouts whose policy version is remembered (oldest forgotten)
+
+
+class SwapLock:
+    """Requests share it; an adapter swap waits for requests in flight and holds new ones.
+
+    Releasing a read is synchronous (no ``await``), so a cancelled request or a closed stream
+    cannot leave its reader counted; every wait has a deadline and says what it waited for.
+    """
+
+    def __init__(self, model: str = "") -> None:
+        self.model = model
+        self._readers = 0
+        self._idle = asyncio.Event()  # set while no request is in flight
+        self._idle.set()
+        self._open = asyncio.Event()  # set while no swap is running or waiting
+        self._open.set()
+        self._swapper = asyncio.Lock()
+
+    @property
+    def readers(self) -> int:
+        return self._readers
+
+    async def acquire_read(self, timeout_s: float) -> None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                while not self._open.is_set():
+                    await self._open.wait()
+        except TimeoutError:
+            raise EngineTimeoutError(
+                f"waited {timeout_s:g} s for the adapter swap of model {self.model} to finish"
+            ) from None
+        self._readers += 1
+        self._idle.clear()
+
+    def release_read(self) -> None:
+        self._readers -= 1
+        if self._readers <= 0:
+            self._readers = 0
+            self._idle.set()
+
+    def describe(self) -> str:
+        """Who holds the lock (the watchdog's view of a waiting swap)."""
+        held = "a swap holds new requests; " if not self._open.is_set() else ""
+        return f"{held}{self._readers} requests in flight hold the swap lock"
+
+    @contextlib.asynccontextmanager
+    async def swapping(self, timeout_s: float) -> AsyncIterator[None]:
+        """Hold new requests, wait (at most ``timeout_s``) for those in flight, then swap."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._swapper.acquire()
+        except TimeoutError:
+            raise EngineTimeoutError(f"waited {timeout_s:g} s for another adapter swap of model "
+                                     f"{self.model}") from None
+        try:
+            self._open.clear()
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await self._idle.wait()
+            except TimeoutError:
+                raise EngineTimeoutError(
+                    f"waited {timeout_s:g} s for {self._readers} call(s) in flight on model "
+                    f"{self.model} to finish before swapping its adapter") from None
+            yield
+        finally:
+            self._open.set()
+            self._swapper.release()
+
+
+@dataclass
+class ServedModel:
+    """A trainable model's route: requests for ``name`` (or ``project/name``, always unique) go
+    to its newest adapter. Its identity is the (project, name) pair of its ``store``."""
+
+    name: str
+    engine: Engine
+    store: ModelStore
+    step: int = 0
+    swap: SwapLock = field(default_factory=SwapLock)
+    resident: int = 1  # policy versions kept loaded (EngineConfig.resident_adapters)
+    versions: dict[int, Path] = field(default_factory=dict)  # resident step -> adapter path
+    pins: OrderedDict[str, int] = field(default_factory=OrderedDict)  # rollout -> its version
+
+    def __post_init__(self) -> None:
+        self.swap.model = self.key
+
+    @property
+    def key(self) -> str:
+        """``project/name``: the route's identity (two projects may share a model name)."""
+        return f"{self.store.project}/{self.name}"
+
+    @property
+    def adapter_name(self) -> str:
+        """The adapter's name in the engine: one per (project, name), never shared."""
+        return self.key
+
+    @property
+    def timeout_s(self) -> float:
+        return self.engine.spec.config.request_timeout_s
+
+    async def swap_adapter(self, step: int, path: Path) -> None:
+        """Serve checkpoint ``step``. One resident version: swapped in place once calls in
+        flight have finished (new calls wait). Several: ``step`` is loaded beside the others as
+        ``name@step``; the oldest beyond ``resident`` is unloaded once no call uses it."""
+        with watch("swap", f"the adapter swap of {self.name} to step {step}",
+                   self.swap.describe):
+            if self.resident <= 1:
+                async with self.swap.swapping(self.timeout_s + 30.0):
+                    await self.engine.load_adapter(self.adapter_name, path)
+                    self.step = step
+                return
+            await self.engine.load_adapter(self.lora_name(step), path)
+            self.versions[step] = path
+            self.step = max(self.step, step)
+            retired = sorted(self.versions)[:-self.resident]
+            if retired:
+                async with self.swap.swapping(self.timeout_s + 30.0):
+                    for old in retired:
+                        del self.versions[old]
+                        await self.engine.unload_adapter(self.lora_name(old))
+
+    async def admit(self, engine_model: str, step: int | None, requested: str,
+                    rollout_id: str | None) -> tuple[str, int | None]:
+        """Count a call in, waiting (within the call's deadline) for a swap in progress; the
+        engine model name and step that serve it: those it was resolved to, or the newest when
+        the swap retired that version. The caller releases with ``self.swap.release_read()``;
+        :class:`~tracerl.core.engine.EngineTimeoutError` if the swap outlasts the deadline."""
+        await self.swap.acquire_read(self.timeout_s)
+        if step is None or self.resident <= 1 or self._resident(step) or "@" in requested:
+            return engine_model, step  # (an explicit NAME@STEP that was retired gets a 404)
+        return self.resolve(requested, rollout_id)
+
+    def lora_name(self, step: int) -> str:
+        return self.adapter_name if self.resident <= 1 else f"{self.adapter_name}@{step}"
+
+    def _resident(self, step: int) -> bool:
+        if step == 0:
+            return self.step < self.resident  # the base model counts as version 0
+        return step == self.step if self.resident <= 1 else step in self.versions
+
+    def resolve(self, requested: str, rollout_id: str | None = None) -> tuple[str, int | None]:
+        """Engine model name and adapter step for a requested model name. With several
+        resident versions, a rollout stays on the version its first call got while that
+        version is resident (the call records which one served it)."""
+        if requested == self.engine.spec.served_name and requested != self.name:
+            return requested, None
+        step = self.step
+        if "@" in requested:
+            _, _, raw = requested.partition("@")
+            if not raw.isdigit():
+                raise EngineRequestError(f"bad step in model name {requested!r}", status=404,
+                                         param="model", code="model_not_found")
+            if not self._resident(int(raw)):
+                served = sorted(self.versions) if self.resident > 1 else [self.step]
+                raise EngineRequestError(
+                    f"The model `{requested}` is not served: step {raw} is not the current step "
+                    f"({self.step}) nor resident (steps served: {served}); use `{self.name}` or "
+                    f"`{self.name}@{self.step}`",
+                    status=404, param="model", code="model_not_found")
+            step = int(raw)
+        elif self.resident > 1 and rollout_id is not None:
+            pinned = self.pins.get(rollout_id)
+            if pinned is not None and self._resident(pinned):
+                step = pinned
+            else:
+                self.pins[rollout_id] = step
+                while len(self.pins) > MAX_PINNED_ROLLOUTS:
+                    self.pins.popitem(last=False)
+        if step == 0:
+            return self.engine.spec.served_name, 0
+        return self.lora_name(step), step
+
+
+class ModelTable(Mapping[str, ServedModel]):
+    """The served models by ``project/name``, and what a requested model name resolves to."""
+
+    def __init__(self) -> None:
+        self._models: dict[str, ServedModel] = {}
+
+    def __getitem__(self, key: str) -> ServedModel:
+        return self._models[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._models)
+
+    def __len__(self) -> int:
+        return len(self._models)
+
+    def add(self, served: ServedModel) -> None:
+        self._models[served.key] = served
+
+    def model_id(self, served: ServedModel) -> str:
+        """The model name callers use: ``name`` while no other project serves that name, else
+        ``project/name``."""
+        shared = any(m.name == served.name and m is not served for m in self._models.values())
+        return served.key if shared else served.name
+
+    def listing(self) -> list[str]:
+        """Every name a caller may use (``/v1/models``), model by model."""
+        ids: list[str] = []
+        for m in self._models.values():
+            ids += dict.fromkeys((self.model_id(m), m.key, f"{self.model_id(m)}@{m.step}",
+                                  m.engine.spec.served_name))
+        return ids
+
+    def route(self, requested: Any, rollout_id: str | None = None
+              ) -> tuple[ServedModel, str, int | None]:
+        """The model ``requested`` names, its engine model name and the adapter step serving
+        it; a 4xx :class:`~tracerl.core.engine.EngineRequestError` naming ``model`` if none."""
+        if not isinstance(requested, str) or not requested:
+            raise EngineRequestError("you must provide a model parameter", param="model")
+        name = requested.partition("@")[0]
+        served = self._models.get(name) if "/" in name else None
+        if served is None and "/" not in name:
+            named = [m for m in self._models.values() if m.name == name]
+            if len(named) > 1:
+                raise EngineRequestError(
+                    f"The model `{requested}` is ambiguous: projects "
+                    f"{sorted(m.store.project for m in named)} each have a model `{name}`; "
+                    f"use one of {sorted(m.key for m in named)}",
+                    status=404, param="model", code="model_not_found")
+            served = named[0] if named else None
+        if served is None:
+            for m in self._models.values():
+                if m.engine.spec.served_name == requested:
+                    served = m
+                    break
+        if served is None:
+            known = sorted(
+                {*self._models, *(self.model_id(m) for m in self._models.values()),
+                 *(m.engine.spec.served_name for m in self._models.values())}
+            )
+            raise EngineRequestError(f"The model `{requested}` does not exist. Served: {known}",
+                                     status=404, param="model", code="model_not_found")
+        engine_model, step = served.resolve(requested.rpartition("/")[2]
+                                            if "/" in name else requested, rollout_id)
+        return served, engine_model, step
