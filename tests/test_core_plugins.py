@@ -1,6 +1,8 @@
 """pluggy plugins: built-ins and a real third-party entry point, version checks, judges."""
 
 import asyncio
+import collections
+import json
 import os
 import subprocess
 import sys
@@ -246,3 +248,113 @@ def test_hook_implementation_without_spec_is_rejected():
     with pytest.raises(tracerl.PluginError, match="tracerl_on_llm_cal"):
         plugins.register(Typo(), name="typo")
     assert plugins.get_plugin_manager().get_plugin("typo") is None
+
+
+def test_a_third_party_protocol_and_engine_are_served_and_recorded(plugin_site, tmp_path):
+    """The example plugin's engine (``echo``) and protocol (``/v1/plain``) are served by a real
+    gateway with no edit outside the plugin's own files; every call is recorded token-exactly,
+    plain and streamed, and tracerl's own protocols run on the plugin's engine too."""
+    out = run_py(f"""
+        import asyncio, json, httpx, tracerl
+
+        async def main():
+            backend = tracerl.LocalBackend(path={str(tmp_path)!r}, engine="echo")
+            model = tracerl.TrainableModel(name="m", project="p", base_model="smollm2")
+            await model.register(backend)
+            url = backend.base_url
+            async with httpx.AsyncClient(timeout=30) as c:
+                plain = await c.post(url + "/plain", json={{"model": "m", "input": "hello"}},
+                                     headers={{"x-rollout-id": "r1"}})
+                async with c.stream("POST", url + "/plain", headers={{"x-rollout-id": "r2"}},
+                                    json={{"model": "m", "input": "abc", "stream": True}}) as s:
+                    events = [line async for line in s.aiter_lines() if line]
+                bad = await c.post(url + "/plain", json={{"model": "m", "input": 3}},
+                                   headers={{"x-rollout-id": "r3"}})
+                chat = await c.post(url + "/chat/completions", headers={{"x-rollout-id": "r4"}},
+                                    json={{"model": "m", "messages": [
+                                        {{"role": "user", "content": "xy"}}]}})
+            calls = {{r: [c.model_dump(mode="json") for c in await backend.fetch_calls(model, r)]
+                     for r in ("r1", "r2", "r3", "r4")}}
+            await backend.close()
+            print(json.dumps({{"plain": [plain.status_code, plain.json()], "events": events,
+                              "bad": [bad.status_code, bad.json()],
+                              "chat": chat.json()["choices"][0]["message"]["content"],
+                              "calls": calls}}))
+
+        asyncio.run(main())
+    """, plugin_site)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    status, answer = got["plain"]
+    assert status == 200 and answer["output"] == "olleh" and answer["id"].startswith("plain-")
+    assert got["events"] == ['data: {"delta": "c"}', 'data: {"delta": "b"}',
+                             'data: {"delta": "a"}', "data: end"]
+    assert got["bad"][0] == 400 and got["bad"][1]["error"]["param"] == "input"
+    assert got["chat"] == "yx"
+    (plain_call,), (streamed_call,), no_calls, (chat_call,) = got["calls"].values()
+    assert no_calls == []  # refused before the engine: nothing recorded
+    assert plain_call["metadata"] == {"protocol": "plain", "id": answer["id"]}
+    completion = plain_call["completions"][0]
+    assert completion["token_ids"] == list(b"olleh") and completion["logprobs"] == [0.0] * 5
+    assert plain_call["prompt_token_ids"] == list(b"user:hello\n")
+    assert streamed_call["streamed"] and streamed_call["completions"][0]["token_ids"] == list(
+        b"cba")
+    assert chat_call["completions"][0]["text"] == "yx" and "protocol" not in chat_call["metadata"]
+
+
+CALL_PATH = """
+    import asyncio, collections, json, sys, threading, httpx, tracerl
+
+    DRIVERS = {"_handle", "_pump", "stream_answer"}  # the functions that drive one call
+    entered, on = [], threading.Event()
+
+    def profile(frame, event, arg):
+        caller = frame.f_back
+        if event != "call" or not on.is_set() or caller is None \\
+                or caller.f_code.co_name not in DRIVERS:
+            return
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith(("tracerl.", "tracerl_example_plugin")) \\
+                and (module, frame.f_code.co_qualname) not in entered:
+            entered.append((module, frame.f_code.co_qualname))
+
+    async def main():
+        threading.setprofile(profile)  # the gateway's thread starts after this
+        backend = tracerl.LocalBackend(path=sys.argv[1], engine="echo")
+        model = tracerl.TrainableModel(name="m", project="p", base_model="smollm2")
+        await model.register(backend)
+        paths = {}
+        async with httpx.AsyncClient(timeout=30) as c:
+            for stream in (False, True):
+                body = {"model": "m", "messages": [{"role": "user", "content": "abc"}],
+                        "stream": stream}
+                entered.clear()
+                on.set()
+                r = await c.post(backend.base_url + "/chat/completions", json=body)
+                on.clear()
+                assert r.status_code == 200, r.text
+                paths["stream" if stream else "plain"] = list(entered)
+        await backend.close()
+        print(json.dumps(paths))
+
+    asyncio.run(main())
+"""
+
+
+def test_one_call_enters_each_module_of_its_path_at_most_twice(plugin_site, tmp_path):
+    """A call's path (gateway -> protocol -> served model -> engine -> recorder -> storage), as
+    the functions its driving frames call: no module is entered more than twice. A stream adds
+    one call per chunk to the protocol and the assembler (its loop) and their closing calls."""
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(CALL_PATH), str(tmp_path)],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": f"{plugin_site}:{ROOT}"})
+    assert out.returncode == 0, out.stderr
+    paths = json.loads(out.stdout.strip().splitlines()[-1])
+    plain = collections.Counter(module for module, _ in paths["plain"])
+    assert max(plain.values()) <= 2, paths["plain"]
+    assert [f for _, f in paths["plain"]][-3:] == [
+        "SwapLock.release_read", "CallRecording.finish", "PassThrough.answer"]
+    stream = collections.Counter(module for module, _ in paths["stream"])
+    per_chunk = {"tracerl.backend.protocols.openai", "tracerl.backend.replies"}
+    assert all(n <= 2 for m, n in stream.items() if m not in per_chunk), paths["stream"]
+    assert all(stream[m] == 3 for m in per_chunk), paths["stream"]

@@ -10,11 +10,13 @@ In flow order (one request, then one training step):
   each rendered on the engine's chat or completions call; ``registry.py`` finds them.
 - ``request_validation.py``: each request field, the rollout id and call tags checked
   (OpenAI-style 400 naming the field) before use.
-- ``served.py``: served models, the adapter version each name resolves to, the swap lock.
+- ``served.py``: served models and the adapter version each requested name resolves to.
+- ``swap_lock.py``: a model's calls share it; its adapter swap waits for them, holds new ones.
 - ``supervisor.py``: an engine call's failure as the caller's answer; dead engines restarted.
 - ``stream_pump.py``: a streamed call, forwarded chunk by chunk and recorded by its own task.
 - ``external_rollouts.py``: the rollout API (``/v1/rollouts``) for services outside the
   trainer's process: open, spans, reward, finish; the trainer takes finished groups once.
+- ``replies.py``: engine replies as records need them: streams assembled, entries reduced.
 - ``recorder.py``: turns engine answers into token-exact ``LLMCall`` records, kept per rollout.
 - ``engines/``: vLLM (a server subprocess) and transformers (in process) behind ``Engine``;
   a replica set routes over several servers.

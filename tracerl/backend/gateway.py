@@ -34,9 +34,10 @@ from .protocols.registry import load_protocols
 from .recorder import CallStore, Recorder
 from .request_body import read_json_body
 from .request_validation import Attribution, attribution, check_request, parse_tags
-from .served import ModelTable, ServedModel, SwapLock
+from .served import ModelTable, ServedModel
 from .stream_pump import stream_answer
 from .supervisor import EngineSupervisor
+from .swap_lock import SwapLock
 
 # the gateway's names before it was split, for code that imported them from here
 __all__ = ["Attribution", "Gateway", "KeyRequired", "ModelTable", "ServedModel", "SwapLock",
@@ -127,7 +128,7 @@ class Gateway:
         route = CallRoute(who.rollout_id)  # a replica set keeps the rollout on one server
         current_route.set(route)
         rec = self.recorder.begin(served.store, exchange, endpoint, engine_model, who, step,
-                                  route, streamed=streamed)
+                                  route)
         if streamed:  # the pump owns the admission from here
             return await stream_answer(served, rec, self.supervisor, self._streams)
 

@@ -2,8 +2,9 @@
 
 The gateway records each call through one :class:`CallRecording`: ``rec =
 recorder.begin(...)`` before the engine call (it makes the engine request: the caller's plus
-logprobs and token ids), ``rec.feed(chunk)`` for each chunk of a stream, then ``await
-rec.finish(...)``, which builds the record, writes it and fires ``tracerl_on_llm_call``.
+logprobs and token ids), then ``await rec.finish(reply)`` (a stream's reply assembled by
+:class:`~.replies.StreamAssembler`), which builds the record, writes it and fires
+``tracerl_on_llm_call``.
 """
 
 from __future__ import annotations
@@ -23,13 +24,24 @@ from ..core.trajectory import CompletionRecord, LLMCall
 from ..events.lifecycle import llm_call_recorded
 from .protocols.base import Endpoint, Exchange
 from .protocols.openai import caller_wants_logprobs, strip_for_caller
+from .replies import SAMPLED_LOGPROBS, StreamAssembler, drop_logprob_entries, sampled_logprobs
 
 if TYPE_CHECKING:
     from .request_validation import Attribution
 
-__all__ = ["CallRecording", "CallStore", "Recorder", "StreamAssembler", "build_call",
-           "caller_wants_logprobs", "completions_from_response", "drop_logprob_entries",
-           "inject_training_fields", "strip_for_caller"]
+__all__ = [
+    "CallRecording",
+    "CallStore",
+    "Recorder",
+    "StreamAssembler",
+    "build_call",
+    "caller_wants_logprobs",
+    "completions_from_response",
+    "drop_logprob_entries",
+    "inject_training_fields",
+    "sampled_logprobs",
+    "strip_for_caller",
+]
 
 
 def inject_training_fields(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -45,31 +57,6 @@ def inject_training_fields(endpoint: str, body: dict[str, Any]) -> dict[str, Any
     return out
 
 
-SAMPLED_LOGPROBS = "tracerl_sampled_logprobs"
-
-
-def drop_logprob_entries(response: dict[str, Any]) -> dict[str, Any]:
-    """Keep only the sampled tokens' logprobs (one list of floats per choice) of a chat reply
-    whose caller did not ask for logprobs: the engine's entries are a dict and two lists per
-    token, and hundreds of replies holding them at once kept the cyclic garbage collector
-    walking them (BENCHMARKS.md). Done as soon as the reply is decoded."""
-    for choice in response.get("choices") or []:
-        content = (choice.get("logprobs") or {}).get("content")
-        if content is not None:
-            choice["logprobs"] = _sampled_only(_sampled(content))
-    return response
-
-
-def _sampled(entries: list[dict[str, Any]]) -> list[float]:
-    """The sampled tokens' logprobs from a chat reply's per-token entries."""
-    return [float(e["logprob"]) for e in entries]
-
-
-def _sampled_only(values: list[float]) -> dict[str, Any]:
-    """A chat choice's ``logprobs`` holding only the sampled tokens' values, no entries."""
-    return {"content": None, SAMPLED_LOGPROBS: values}
-
-
 def _chat_logprobs(choice: dict[str, Any]) -> list[float] | None:
     logprobs = choice.get("logprobs") or {}
     if SAMPLED_LOGPROBS in logprobs:  # drop_logprob_entries kept these
@@ -77,7 +64,7 @@ def _chat_logprobs(choice: dict[str, Any]) -> list[float] | None:
     content = logprobs.get("content")
     if content is None:
         return None
-    return _sampled(content)
+    return sampled_logprobs(content)
 
 
 def completions_from_response(
@@ -107,79 +94,6 @@ def completions_from_response(
                 )
             )
     return list(prompt_ids), records
-
-
-class StreamAssembler:
-    """Rebuilds a chat completion response from its stream chunks. ``keep_entries=False`` (a
-    caller that did not ask for logprobs) keeps only the sampled tokens' logprobs, not the
-    engine's per-token entries (see :func:`drop_logprob_entries`)."""
-
-    def __init__(self, keep_entries: bool = True) -> None:
-        self.keep_entries = keep_entries
-        self.base: dict[str, Any] = {}
-        self.prompt_token_ids: list[int] = []
-        self.choices: dict[int, dict[str, Any]] = {}
-        self.usage: dict[str, Any] | None = None
-
-    def add(self, chunk: dict[str, Any]) -> None:
-        if not self.base:
-            self.base = {k: chunk.get(k) for k in ("id", "created", "model")}
-        if chunk.get("prompt_token_ids"):
-            self.prompt_token_ids = list(chunk["prompt_token_ids"])
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
-        for c in chunk.get("choices") or []:
-            acc = self.choices.setdefault(
-                c.get("index", 0),
-                {
-                    "content": [],
-                    "token_ids": [],
-                    "logprobs": [],
-                    "tool_calls": {},
-                    "finish_reason": None,
-                },
-            )
-            delta = c.get("delta") or {}
-            if delta.get("content"):
-                acc["content"].append(delta["content"])
-            for tc in delta.get("tool_calls") or []:
-                slot = acc["tool_calls"].setdefault(tc.get("index", 0), {
-                    "id": None, "type": "function", "function": {"name": "", "arguments": ""}})
-                if tc.get("id"):
-                    slot["id"] = tc["id"]
-                fn = tc.get("function") or {}
-                slot["function"]["name"] += fn.get("name") or ""
-                slot["function"]["arguments"] += fn.get("arguments") or ""
-            acc["token_ids"].extend(c.get("token_ids") or [])
-            entries = (c.get("logprobs") or {}).get("content") or []
-            if self.keep_entries:
-                acc["logprobs"].extend(entries)
-            else:
-                acc["logprobs"].extend(_sampled(entries))
-            if c.get("finish_reason"):
-                acc["finish_reason"] = c["finish_reason"]
-
-    def response(self) -> dict[str, Any]:
-        choices = []
-        for index, acc in sorted(self.choices.items()):
-            message: dict[str, Any] = {
-                "role": "assistant",
-                "content": "".join(acc["content"]) or None,
-            }
-            if acc["tool_calls"]:
-                message["tool_calls"] = [acc["tool_calls"][k] for k in sorted(acc["tool_calls"])]
-            choices.append(
-                {
-                    "index": index,
-                    "message": message,
-                    "finish_reason": acc["finish_reason"],
-                    "logprobs": ({"content": acc["logprobs"]} if self.keep_entries else
-                                 _sampled_only(acc["logprobs"])),
-                    "token_ids": acc["token_ids"],
-                }
-            )
-        return {**self.base, "object": "chat.completion", "choices": choices,
-                "usage": self.usage, "prompt_token_ids": self.prompt_token_ids}
 
 
 def build_call(*, endpoint: str, caller_body: dict[str, Any], response: dict[str, Any] | None,
@@ -254,24 +168,15 @@ class CallRecording:
     route: CallRoute
     engine_body: dict[str, Any]
     started: float = field(default_factory=time.perf_counter)
-    assembler: StreamAssembler | None = None
 
-    def feed(self, chunk: dict[str, Any]) -> None:
-        """One chunk of a streamed answer, as the engine sent it."""
-        if self.assembler is not None:
-            self.assembler.add(chunk)
-
-    async def finish(self, response: dict[str, Any] | None = None, *, error: str | None = None,
-                     disconnected: bool = False) -> LLMCall:
-        """Record the call: ``response`` (the engine's reply; a stream's is assembled from its
+    async def finish(self, response: dict[str, Any] | None, *, streamed: bool = False,
+                     error: str | None = None, disconnected: bool = False) -> LLMCall:
+        """Record the call: ``response`` is the engine's reply (``streamed``: assembled from its
         chunks). The record is on disk when this returns, even if the caller's task is
         cancelled meanwhile; then ``tracerl_on_llm_call`` fires. A failed write raises
         :class:`~tracerl.core.errors.StorageError` (the caller must not train on it)."""
-        streamed = self.assembler is not None
-        if self.assembler is not None:
-            response = self.assembler.response()
-        elif (response is not None and self.endpoint == "chat.completions"
-              and not self.exchange.keeps_logprob_entries):
+        if (response is not None and not streamed and self.endpoint == "chat.completions"
+                and not self.exchange.keeps_logprob_entries):
             # before any await: at 256 replies ending together, the engine's per-token entries
             # of all of them would otherwise be alive at once (BENCHMARKS.md, the c256 tail)
             drop_logprob_entries(response)
@@ -310,12 +215,10 @@ class Recorder:
 
     def begin(self, store: ModelStore, exchange: Exchange, endpoint: Endpoint,
               engine_model: str, who: Attribution, step: int | None,
-              route: CallRoute, streamed: bool = False) -> CallRecording:
-        """Start recording a call that ``engine_model`` answers (``streamed``: chunk by chunk,
-        through :meth:`CallRecording.feed`): its engine request is ``rec.engine_body``; latency
-        counts from now."""
+              route: CallRoute) -> CallRecording:
+        """Start recording a call that ``engine_model`` answers: its engine request is
+        ``rec.engine_body``; latency counts from now."""
         engine_body = inject_training_fields(endpoint, {**exchange.chat_body,
                                                         "model": engine_model})
-        assembler = StreamAssembler(exchange.keeps_logprob_entries) if streamed else None
         return CallRecording(self.calls, store, endpoint, exchange, who, step, route,
-                             engine_body, assembler=assembler)
+                             engine_body)

@@ -7,86 +7,18 @@ the gateway's set of them, by ``project/name``, and resolves what a caller asked
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..core.engine import Engine, EngineRequestError, EngineTimeoutError
+from ..core.engine import Engine, EngineRequestError
 from ..core.storage import ModelStore
 from ..core.watchdog import watch
+from .swap_lock import SwapLock
 
 MAX_PINNED_ROLLOUTS = 65536  # rollouts whose policy version is remembered (oldest forgotten)
-
-
-class SwapLock:
-    """Requests share it; an adapter swap waits for requests in flight and holds new ones.
-
-    Releasing a read is synchronous (no ``await``), so a cancelled request or a closed stream
-    cannot leave its reader counted; every wait has a deadline and says what it waited for.
-    """
-
-    def __init__(self, model: str = "") -> None:
-        self.model = model
-        self._readers = 0
-        self._idle = asyncio.Event()  # set while no request is in flight
-        self._idle.set()
-        self._open = asyncio.Event()  # set while no swap is running or waiting
-        self._open.set()
-        self._swapper = asyncio.Lock()
-
-    @property
-    def readers(self) -> int:
-        return self._readers
-
-    async def acquire_read(self, timeout_s: float) -> None:
-        try:
-            async with asyncio.timeout(timeout_s):
-                while not self._open.is_set():
-                    await self._open.wait()
-        except TimeoutError:
-            raise EngineTimeoutError(
-                f"waited {timeout_s:g} s for the adapter swap of model {self.model} to finish"
-            ) from None
-        self._readers += 1
-        self._idle.clear()
-
-    def release_read(self) -> None:
-        self._readers -= 1
-        if self._readers <= 0:
-            self._readers = 0
-            self._idle.set()
-
-    def describe(self) -> str:
-        """Who holds the lock (the watchdog's view of a waiting swap)."""
-        held = "a swap holds new requests; " if not self._open.is_set() else ""
-        return f"{held}{self._readers} requests in flight hold the swap lock"
-
-    @contextlib.asynccontextmanager
-    async def swapping(self, timeout_s: float) -> AsyncIterator[None]:
-        """Hold new requests, wait (at most ``timeout_s``) for those in flight, then swap."""
-        try:
-            async with asyncio.timeout(timeout_s):
-                await self._swapper.acquire()
-        except TimeoutError:
-            raise EngineTimeoutError(f"waited {timeout_s:g} s for another adapter swap of model "
-                                     f"{self.model}") from None
-        try:
-            self._open.clear()
-            try:
-                async with asyncio.timeout(timeout_s):
-                    await self._idle.wait()
-            except TimeoutError:
-                raise EngineTimeoutError(
-                    f"waited {timeout_s:g} s for {self._readers} call(s) in flight on model "
-                    f"{self.model} to finish before swapping its adapter") from None
-            yield
-        finally:
-            self._open.set()
-            self._swapper.release()
 
 
 @dataclass
@@ -103,8 +35,11 @@ class ServedModel:
     versions: dict[int, Path] = field(default_factory=dict)  # resident step -> adapter path
     pins: OrderedDict[str, int] = field(default_factory=OrderedDict)  # rollout -> its version
 
+    timeout_s: float = field(init=False)  # a call's deadline (EngineConfig.request_timeout_s)
+
     def __post_init__(self) -> None:
         self.swap.model = self.key
+        self.timeout_s = self.engine.spec.config.request_timeout_s
 
     @property
     def key(self) -> str:
@@ -115,10 +50,6 @@ class ServedModel:
     def adapter_name(self) -> str:
         """The adapter's name in the engine: one per (project, name), never shared."""
         return self.key
-
-    @property
-    def timeout_s(self) -> float:
-        return self.engine.spec.config.request_timeout_s
 
     async def swap_adapter(self, step: int, path: Path) -> None:
         """Serve checkpoint ``step``. One resident version: swapped in place once calls in

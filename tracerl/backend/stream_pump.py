@@ -21,6 +21,7 @@ from ..core.engine import EngineError, EngineUnavailableError
 from ..core.errors import TracerlError
 from .http_answers import error_response
 from .recorder import CallRecording
+from .replies import StreamAssembler
 from .served import ServedModel
 from .supervisor import EngineSupervisor
 
@@ -66,6 +67,7 @@ async def _pump(served: ServedModel, rec: CallRecording, supervisor: EngineSuper
                 deadline: float, out: asyncio.Queue[bytes | None],
                 first: asyncio.Future[EngineError | None]) -> None:
     exchange = rec.exchange
+    assembler = StreamAssembler(keep_entries=exchange.keeps_logprob_entries)
     stream = served.engine.chat_stream(rec.engine_body)
     error: str | None = None
     sent = 0
@@ -81,7 +83,7 @@ async def _pump(served: ServedModel, rec: CallRecording, supervisor: EngineSuper
         first.set_result(None)
         async with asyncio.timeout_at(deadline):
             while chunk is not None:
-                rec.feed(chunk)
+                assembler.add(chunk)
                 chunk["model"] = exchange.chat_body["model"]
                 for event in exchange.stream_events(chunk):
                     out.put_nowait(event)
@@ -107,7 +109,8 @@ async def _pump(served: ServedModel, rec: CallRecording, supervisor: EngineSuper
         with contextlib.suppress(Exception):  # closing vLLM's stream aborts its request
             async with asyncio.timeout(STREAM_CLOSE_TIMEOUT_S):
                 await stream.aclose()  # type: ignore[attr-defined]  # engines return generators
-        await rec.finish(error=error, disconnected=disconnected)
+        await rec.finish(assembler.response(), streamed=True, error=error,
+                         disconnected=disconnected)
     except TracerlError as e:  # e.g. a full disk: the client hears it instead of the end
         final = [exchange.error_event(f"the call was not recorded: {e}", e.code)]
         log.error("streamed call not recorded: %s", e)

@@ -1,4 +1,5 @@
-"""A third-party plugin used by the tests: a length judge and a metrics recorder."""
+"""A third-party plugin used by the tests: a length judge, a metrics recorder, an inference
+engine (echo_engine.py) and an API protocol (plain_protocol.py)."""
 
 import tracerl
 
@@ -22,3 +23,17 @@ def tracerl_score_group(group, judge):
 @tracerl.hookimpl
 def tracerl_log_metrics(model, step, split, metrics):
     LOGGED.append((model.name, step, split, metrics["reward"]))
+
+
+@tracerl.hookimpl
+def tracerl_engines():
+    from .echo_engine import EchoEngine
+
+    return [EchoEngine]
+
+
+@tracerl.hookimpl
+def tracerl_protocols():
+    from .plain_protocol import Plain
+
+    return [Plain]

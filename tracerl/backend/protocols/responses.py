@@ -25,16 +25,8 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
-from .base import (
-    ChatStreamReader,
-    Exchange,
-    Protocol,
-    bad,
-    function_tool,
-    only_choice,
-    sse,
-    text_of,
-)
+from . import base
+from .base import ChatStreamReader, Exchange, bad, function_tool, only_choice, sse, text_of
 
 MAX_STORED = 1024
 _TEXT_PARTS = ("input_text", "output_text")
@@ -132,7 +124,7 @@ def _tool_choice(raw: Any) -> Any:
     raise bad("tool_choice must be auto, none, required or {type: function, name}", "tool_choice")
 
 
-class Responses(Protocol):
+class Responses(base.Protocol):
     """The protocol: stored responses, and one ``ResponsesExchange`` per request."""
 
     name = "responses"
