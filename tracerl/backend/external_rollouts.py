@@ -32,7 +32,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -54,6 +54,9 @@ from ..core.trajectory import (
 )
 from .request_body import parse_json_object, read_limited_body
 from .served import ModelTable, ServedModel
+
+if TYPE_CHECKING:
+    from .recorder import CallStore
 
 log = logging.getLogger(__name__)
 
@@ -423,7 +426,7 @@ class ExternalRollouts:
 
 
 def build_groups(rollouts: list[list[ExternalRollout]], store: ModelStore,
-                 calls: Any) -> list[TrajectoryGroup]:
+                 calls: CallStore) -> list[TrajectoryGroup]:
     """Trajectory groups of handed-out rollouts: their recorded calls, posted spans (linked to
     the calls), rewards and metrics; a failed rollout is its group's exception."""
     groups = []

@@ -55,6 +55,11 @@ PLACEMENT_FIELDS = ("replicas", "replicas_per_gpu", "gpus_per_replica", "replica
                     "replica_failure", "publish_dir", "publish_mount")
 
 
+@hookimpl
+def tracerl_backends() -> list[type]:
+    return [LocalBackend]
+
+
 def choose_engine(requested: str) -> type[Engine]:
     """The engine class for 'vllm', 'transformers', a plugin's name, or 'auto'."""
     engines = collect_classes("tracerl_engines")
@@ -487,7 +492,3 @@ class LocalBackend(Backend):
             self._thread.stop()
             self._thread = None
 
-
-@hookimpl
-def tracerl_backends() -> list[type]:
-    return [LocalBackend]

@@ -17,6 +17,7 @@ Data model:
 - ``watchdog.py``: a wait longer than its threshold logs what it is waiting on.
 
 Contracts:
+- ``pluggable.py``: what engines and launchers, selected by name among plugins', share.
 - ``backend.py``: the ``Backend`` contract and its ``TrainEvent`` stream.
 - ``engine.py``: the ``Engine`` contract (and its errors).
 - ``launcher.py``: the ``Launcher`` contract: where distributed trainer ranks and replicas run.

@@ -7,15 +7,16 @@ is what makes records of every engine the same shape.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import AsyncIterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from .config import EngineConfig, LoraConfig
 from .errors import EngineError, EngineRequestError, EngineTimeoutError, EngineUnavailableError
+from .pluggable import Pluggable
 
 __all__ = ["CallRoute", "Engine", "EngineError", "EngineRequestError", "EngineSpec",
            "EngineTimeoutError", "EngineUnavailableError", "current_route"]
@@ -43,18 +44,12 @@ class EngineSpec:
     lora: LoraConfig
 
 
-class Engine(ABC):
-    """An inference engine serving one base model and its LoRA adapters."""
-
-    name: ClassVar[str]
+class Engine(Pluggable):
+    """An inference engine serving one base model and its LoRA adapters (``available()``:
+    whether its packages are importable here)."""
 
     def __init__(self, spec: EngineSpec) -> None:
         self.spec = spec
-
-    @classmethod
-    def available(cls) -> bool:
-        """Whether this engine can run here (its packages are importable)."""
-        return True
 
     @abstractmethod
     async def start(self) -> None:
@@ -80,7 +75,7 @@ class Engine(ABC):
     async def load_adapter(self, lora_name: str, path: Path) -> None:
         """Serve the LoRA adapter at ``path`` as ``lora_name``, replacing one of that name."""
 
-    async def unload_adapter(self, lora_name: str) -> None:  # noqa: B027 - optional capability
+    async def unload_adapter(self, lora_name: str) -> None:
         """Stop serving ``lora_name`` and free its memory (engines that cannot, keep it)."""
 
     @abstractmethod
@@ -96,10 +91,10 @@ class Engine(ABC):
         await self.stop()
         await self.start()
 
-    async def sleep(self) -> None:  # noqa: B027 - optional capability
+    async def sleep(self) -> None:
         """Release accelerator memory until :meth:`wake_up` (engines that can)."""
 
-    async def wake_up(self) -> None:  # noqa: B027 - optional capability
+    async def wake_up(self) -> None:
         """Undo :meth:`sleep`."""
 
     def tokenizer_path(self) -> Path:

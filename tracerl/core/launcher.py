@@ -10,26 +10,20 @@ backend process) themselves. The launcher only starts, watches and stops them.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from pathlib import Path
-from typing import ClassVar
 
 from .config import DistributedTrainerConfig
 from .engine import Engine, EngineSpec
+from .pluggable import Pluggable
 
 
-class Launcher(ABC):
-    """Starts, watches and stops the ranks of one distributed trainer."""
-
-    name: ClassVar[str]
+class Launcher(Pluggable):
+    """Starts, watches and stops the ranks of one distributed trainer (``available()``:
+    whether its packages are importable here)."""
 
     def __init__(self, config: DistributedTrainerConfig) -> None:
         self.config = config
-
-    @classmethod
-    def available(cls) -> bool:
-        """Whether this launcher can run here (its packages are importable)."""
-        return True
 
     def coordinator_host(self) -> str:
         """The address ranks reach the coordinator (this process) on."""

@@ -55,6 +55,9 @@ def tracerl_engines() -> list[type]:
 
     Example::
 
+        class MyEngine(Engine):  # tracerl.core.engine.Engine
+            name = "mine"  # EngineConfig(engine="mine")
+
         @tracerl.hookimpl
         def tracerl_engines():
             return [MyEngine]
@@ -67,10 +70,12 @@ def tracerl_backends() -> list[type]:
 
     Arguments: none.
 
-    Returns: classes implementing :class:`tracerl.core.backend.Backend`, each with a unique
-    ``name``.
+    Returns: classes implementing :class:`tracerl.core.backend.Backend` (``register``,
+    ``get_step``, ``train_events``, ``log``, ``fetch_calls``), each with a unique ``name``;
+    users construct them directly (``MyClusterBackend(...)``) and pass them to
+    ``model.register``.
 
-    Called: by ``tracerl plugins``, on the calling thread.
+    Called: by ``tracerl plugins`` (which lists them), on the calling thread.
 
     Example::
 

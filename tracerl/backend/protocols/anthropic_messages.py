@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from .base import (
@@ -29,16 +30,24 @@ from .base import (
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
-def _user_turn(blocks: list[Any], param: str) -> list[dict[str, Any]]:
-    """A user turn: its tool results as tool messages first, then its text."""
-    out: list[dict[str, Any]] = []
-    texts = []
+def _blocks(blocks: list[Any], param: str, texts: list[str]
+            ) -> Iterator[tuple[str, str | None, dict[str, Any]]]:
+    """A turn's content blocks as (field name, type, block); text blocks go to ``texts``."""
     for i, block in enumerate(blocks):
         p = f"{param}[{i}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
             texts.append(text_of([block], p, ("text",)))
-        elif kind == "tool_result":
+        else:
+            yield p, kind, block
+
+
+def _user_turn(blocks: list[Any], param: str) -> list[dict[str, Any]]:
+    """A user turn: its tool results as tool messages first, then its text."""
+    out: list[dict[str, Any]] = []
+    texts: list[str] = []
+    for p, kind, block in _blocks(blocks, param, texts):
+        if kind == "tool_result":
             if not isinstance(block.get("tool_use_id"), str):
                 raise bad(f"{p}.tool_use_id must be a string", f"{p}.tool_use_id")
             content = text_of(block.get("content", ""), f"{p}.content", ("text",))
@@ -52,13 +61,10 @@ def _user_turn(blocks: list[Any], param: str) -> list[dict[str, Any]]:
 
 
 def _assistant_turn(blocks: list[Any], param: str) -> dict[str, Any]:
-    texts, calls = [], []
-    for i, block in enumerate(blocks):
-        p = f"{param}[{i}]"
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text":
-            texts.append(text_of([block], p, ("text",)))
-        elif kind == "tool_use":
+    texts: list[str] = []
+    calls = []
+    for p, kind, block in _blocks(blocks, param, texts):
+        if kind == "tool_use":
             if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
                 raise bad(f"{p} needs a string id and name", p)
             calls.append({"id": block["id"], "type": "function", "function": {
