@@ -320,7 +320,8 @@ def test_the_checkers_fail_on_bad_pages(tmp_path: Path) -> None:
         "page.md: other.md#no-such-section (no heading #no-such-section in other.md)"]
     assert len(parse_errors(bad, "page.md")) == 1
     table = ("| measure | ratio/value | peer | command |\n|---|---|---|---|\n"
-             "| gateway c64 | 0.92 | vLLM | `run --waves 5` |\n| replicas, c256 | 1.93 | one |  |\n")
+             "| gateway c64 | 0.92 | vLLM | `run --waves 5` |\n"
+             "| replicas, c256 | 1.93 | one |  |\n")
     assert figures_not_in("at 0.92 of vLLM, 1.93x with four servers", table) == []
     assert figures_not_in("at 0.95 of vLLM, 1.6x, 5% slower, +12 ms, 1.5 GiB, 256 ms", table) == [
         "0.95", "1.6", "5", "12", "1.5", "256"]
