@@ -10,7 +10,8 @@ continues the earlier call's prompt + completion token for token, no tool-call m
 content the harness saw or the record holds, the record naming the protocol, and for the
 frameworks the span tree the harness implies (``None``, shown "—": not applicable). The results
 go to ``tests/conformance_results.json`` (``TRACERL_CONFORMANCE_RESULTS`` to redirect), from
-which ``tests/conformance_matrix.py`` writes the README's "certified harnesses" matrix.
+which ``tests/conformance_matrix.py`` writes the "certified harnesses" matrix of
+docs/protocols.md.
 """
 
 from __future__ import annotations
