@@ -7,6 +7,7 @@ import logging
 import sys
 from collections.abc import Callable
 
+from .core import settings
 from .core.config import DistributedTrainerConfig
 from .core.errors import ConfigError, TracerlError
 from .core.net import is_loopback
@@ -119,7 +120,6 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_proxy(args: argparse.Namespace) -> int:
-    import os
     import time
     from pathlib import Path
 
@@ -128,7 +128,7 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
     proxy = LiteLLMProxy(upstream_base_url=args.backend_url, model_names=args.model,
                          upstream_api_key=args.api_key, host=args.host, port=args.port,
                          python=args.litellm_python, directory=Path(args.dir),
-                         master_key=args.master_key or os.environ.get("LITELLM_MASTER_KEY"))
+                         master_key=args.master_key or settings.LITELLM_MASTER_KEY.get())
     if not is_loopback(args.host):
         logging.getLogger(__name__).warning(
             "the proxy listens on %s; anyone who can reach it and holds the master key can use "
@@ -146,11 +146,9 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    import os
-
     from .remote.serve import parse_base_models, placement_options, serve
 
-    api_key = os.environ.get(args.api_key_env) or None
+    api_key = settings.read_named(args.api_key_env) or None
     if args.api_key_file:
         try:
             api_key = open(args.api_key_file).read().strip() or None
