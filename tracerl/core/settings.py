@@ -40,7 +40,7 @@ class Setting(Generic[T]):
     """One environment variable; :meth:`get` reads it now and parses it as ``kind``."""
 
     name: str
-    kind: str  # what the value reads as, in words: "float", "flag (1 or 0)", ...
+    kind: str  # what the value reads as, in words: "float", "flag 1/0", ...
     default: T
     doc: str
     group: str
@@ -106,11 +106,11 @@ def _seconds(name: str, default: float, group: str, doc: str) -> Setting[float]:
 
 
 def _on_off(name: str, default: bool, group: str, doc: str) -> Setting[bool]:
-    return _declare(name, "flag (1 or 0)", _flag, default, group, doc)
+    return _declare(name, "flag 1/0", _flag, default, group, doc)
 
 
 def _list(name: str, group: str, doc: str) -> Setting[tuple[str, ...]]:
-    return _declare(name, "list (comma-separated)", _names, (), group, doc)
+    return _declare(name, "comma-separated list", _names, (), group, doc)
 
 
 def _choice(*values: str) -> Callable[[str], str]:

@@ -1,7 +1,7 @@
 """RULER as a ``tracerl_score_group`` plugin (judge name 'ruler').
 
 Configured by environment: the judge model, and an OpenAI-compatible endpoint and its key (else
-LiteLLM is used); :mod:`tracerl.core.settings` declares the variables (``TRACERL_RULER_*``)."""
+LiteLLM is used), each from a variable that :mod:`tracerl.core.settings` declares."""
 
 from __future__ import annotations
 
