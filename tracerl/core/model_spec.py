@@ -21,11 +21,17 @@ class ModelSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str
-    project: str
-    base_model: str | None = None
-    trainable: bool = True
-    config: ModelConfig = Field(default_factory=ModelConfig)
+    name: str = Field(description="the model's name within its project (a folder name: its "
+                      "checkpoints, trajectories and served name)")
+    project: str = Field(description="the project the model belongs to (a folder holding its "
+                         "models side by side)")
+    base_model: str | None = Field(None, description="the weights it starts from: a model "
+                                   "folder (with config.json) or 'smollm2', the embedded default; "
+                                   "None for a model served elsewhere")
+    trainable: bool = Field(True, description="whether the backend trains a LoRA adapter for "
+                            "it (False: served as it is)")
+    config: ModelConfig = Field(default_factory=ModelConfig,
+                                description="its LoRA and serving settings (ModelConfig)")
 
     @field_validator("name")
     @classmethod

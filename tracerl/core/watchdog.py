@@ -7,40 +7,41 @@ and again every ``interval_s`` until the wait ends. ``describe`` runs on the wat
 it must only read state (counts, dicts), never await or take a lock that the wait holds.
 
 Thresholds (seconds) per kind: :data:`THRESHOLDS`, overridden by :func:`configure` or the
-environment (``TRACERL_WATCHDOG_GATHER_S=30``, ``TRACERL_WATCHDOG_INTERVAL_S=10``...).
+environment (one variable per kind, ``TRACERL_WATCHDOG_GATHER_S=30``, and
+``TRACERL_WATCHDOG_INTERVAL_S``: :mod:`tracerl.core.settings` declares them).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from . import settings
+
 log = logging.getLogger("tracerl.watchdog")
 
+# kind -> seconds: a gather with rollouts still running (each listed, with its last call), a
+# training step's update, an adapter swap waiting for requests in flight, an engine that has not
+# answered since it was started
 THRESHOLDS: dict[str, float] = {
-    "gather": 120.0,        # a gather with rollouts still running (each listed, with its last call)
-    "train": 300.0,         # a training step's update
-    "swap": 30.0,           # an adapter swap waiting for requests in flight
-    "engine_start": 300.0,  # an engine that has not answered since it was started
-}
-INTERVAL_S = 30.0
+    kind: setting.default for kind, setting in settings.WATCHDOG_THRESHOLDS.items()}
+INTERVAL_S = settings.TRACERL_WATCHDOG_INTERVAL_S.default
 
 
 def threshold(kind: str) -> float:
-    """The threshold of ``kind`` in seconds (environment first, then :data:`THRESHOLDS`)."""
-    env = os.environ.get(f"TRACERL_WATCHDOG_{kind.upper()}_S")
-    return float(env) if env else THRESHOLDS.get(kind, 120.0)
+    """The threshold of ``kind`` in seconds (its variable first, then :data:`THRESHOLDS`)."""
+    fallback = THRESHOLDS.get(kind, 120.0)
+    setting = settings.WATCHDOG_THRESHOLDS.get(kind)
+    return fallback if setting is None else setting.get(fallback)
 
 
 def interval() -> float:
-    env = os.environ.get("TRACERL_WATCHDOG_INTERVAL_S")
-    return float(env) if env else INTERVAL_S
+    return settings.TRACERL_WATCHDOG_INTERVAL_S.get(INTERVAL_S)
 
 
 def configure(interval_s: float | None = None, **thresholds: float) -> None:

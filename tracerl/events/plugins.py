@@ -5,11 +5,8 @@ lists its default plugins; third-party plugins come from entry points. Loggers a
 only when enabled (:data:`LOGGERS`, turned on by ``TRACERL_LOGGERS``), like pytest's junitxml:
 a logger that is off is not loaded at all.
 
-Environment:
-    ``TRACERL_LOGGERS``        comma-separated loggers to turn on: wandb, langfuse, weave
-    ``TRACERL_QUIET``          set to 1 to turn off the console logger
-    ``TRACERL_BLOCK_PLUGINS``  comma-separated plugin names never to load
-    ``TRACERL_TRACE_PLUGINS``  set to 1 to log every hook call (logger ``tracerl.plugins``)
+The variables that choose loggers, block plugins and trace hook calls are declared in
+:mod:`tracerl.core.settings` (group "Plugins and loggers"), with their types and defaults.
 """
 
 from __future__ import annotations
@@ -18,13 +15,13 @@ import importlib
 import importlib.metadata
 import inspect
 import logging
-import os
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 import pluggy
 
+from ..core import settings
 from ..core.errors import PluginError
 from . import hookspecs
 
@@ -74,17 +71,17 @@ def _check_api(name: str, plugin: Any) -> None:
 
 
 def _blocked() -> set[str]:
-    return {b.strip() for b in os.environ.get("TRACERL_BLOCK_PLUGINS", "").split(",") if b.strip()}
+    return set(settings.TRACERL_BLOCK_PLUGINS.get())
 
 
 def enabled_loggers() -> list[str]:
     """The loggers ``TRACERL_LOGGERS`` turns on, plus the console one unless TRACERL_QUIET=1."""
-    names = [n.strip() for n in os.environ.get("TRACERL_LOGGERS", "").split(",") if n.strip()]
+    names = settings.TRACERL_LOGGERS.get()
     unknown = [n for n in names if n not in LOGGERS]
     if unknown:
         raise PluginError(f"TRACERL_LOGGERS names unknown loggers {unknown}; "
                           f"known: {sorted(LOGGERS)}")
-    console = [] if os.environ.get("TRACERL_QUIET") == "1" else ["console"]
+    console = [] if settings.TRACERL_QUIET.get() else ["console"]
     return [*console, *dict.fromkeys(n for n in names if n != "console")]
 
 
@@ -131,7 +128,7 @@ def _new_manager() -> pluggy.PluginManager:
     for name in blocked:
         pm.set_blocked(name)
     pm.check_pending()
-    if os.environ.get("TRACERL_TRACE_PLUGINS") == "1":
+    if settings.TRACERL_TRACE_PLUGINS.get():
         pm.trace.root.setwriter(lambda s: log.debug("%s", s.rstrip()))
         pm.enable_tracing()
     return pm

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import httpx2
 
+from ..core import settings
 from ..core.context import ROLLOUT_HEADER, TAGS_HEADER
 from ..core.net import free_port, stop_process_group
 
@@ -141,7 +142,7 @@ def write_proxy_config(directory: Path, *, upstream_base_url: str, upstream_api_
 
 
 def _litellm_command(python: str | None) -> list[str]:
-    python = python or os.environ.get("TRACERL_LITELLM_PYTHON") or sys.executable
+    python = python or settings.TRACERL_LITELLM_PYTHON.get() or sys.executable
     cli = Path(os.path.abspath(python)).parent / "litellm"  # abspath: a venv's python is a symlink
     if cli.exists():
         return [str(cli)]

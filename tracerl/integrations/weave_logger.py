@@ -12,10 +12,10 @@ with the project from ``TRACERL_WEAVE_PROJECT`` (``entity/project`` or ``project
 from __future__ import annotations
 
 import datetime
-import os
 import threading
 from typing import Any
 
+from ..core import settings
 from ..core.trajectory import Trajectory
 from ..events.hookspecs import hookimpl
 
@@ -57,7 +57,7 @@ class WeaveLogger:
             if self._client is None:
                 import weave
 
-                self._client = weave.init(os.environ.get("TRACERL_WEAVE_PROJECT", "tracerl"))
+                self._client = weave.init(settings.TRACERL_WEAVE_PROJECT.get())
             return self._client
 
     @hookimpl

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
-import os
 import random
 import time
 import uuid
@@ -35,6 +34,7 @@ from typing import Any, TypeVar
 
 import httpx2
 
+from ..core import settings
 from ..core.backend import Backend, InferenceEndpoint, TrainEvent
 from ..core.config import TrainConfig
 from ..core.errors import (
@@ -116,7 +116,7 @@ class RemoteBackend(Backend):
                 "network unencrypted; put the server behind TLS (https://)",
                 stacklevel=2,
             )
-        self.api_key = api_key if api_key is not None else os.environ.get("TRACERL_API_KEY")
+        self.api_key = api_key if api_key is not None else settings.TRACERL_API_KEY.get()
         self.timeout = httpx2.Timeout(timeout_s, connect=connect_timeout_s)
         self.timeout_s = timeout_s
         self.retry_for_s = retry_for_s

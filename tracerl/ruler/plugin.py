@@ -1,19 +1,19 @@
 """RULER as a ``tracerl_score_group`` plugin (judge name 'ruler').
 
-Configured by environment: ``TRACERL_RULER_MODEL`` (required), ``TRACERL_RULER_BASE_URL`` and
-``TRACERL_RULER_API_KEY`` for an OpenAI-compatible endpoint (else LiteLLM is used)."""
+Configured by environment: the judge model, and an OpenAI-compatible endpoint and its key (else
+LiteLLM is used), each from a variable that :mod:`tracerl.core.settings` declares."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
+from ..core import settings
 from ..events.hookspecs import hookimpl
 
 
 @hookimpl
 def tracerl_score_group(group: Any, judge: str | None) -> Any:
-    model = os.environ.get("TRACERL_RULER_MODEL")
+    model = settings.TRACERL_RULER_MODEL.get()
     if judge != "ruler" and not (judge is None and model):
         return None
     from .judge import RulerError, ruler_score_group
@@ -22,9 +22,10 @@ def tracerl_score_group(group: Any, judge: str | None) -> Any:
         raise RulerError("the 'ruler' judge needs TRACERL_RULER_MODEL (and TRACERL_RULER_BASE_URL "
                          "for an OpenAI-compatible endpoint)")
     client = None
-    if os.environ.get("TRACERL_RULER_BASE_URL"):
+    base_url = settings.TRACERL_RULER_BASE_URL.get()
+    if base_url:
         import openai
 
-        client = openai.AsyncOpenAI(base_url=os.environ["TRACERL_RULER_BASE_URL"],
-                                    api_key=os.environ.get("TRACERL_RULER_API_KEY", "none"))
+        client = openai.AsyncOpenAI(base_url=base_url,
+                                    api_key=settings.TRACERL_RULER_API_KEY.get())
     return ruler_score_group(group, model, client=client)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from ...core import settings
 from ...core.engine import (
     Engine,
     EngineSpec,
@@ -297,7 +298,7 @@ class ReplicaSet(Engine):
 
 def visible_gpus() -> int:
     """GPUs this process may use (CUDA_VISIBLE_DEVICES, else torch's count, else 0)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = settings.CUDA_VISIBLE_DEVICES.get()
     if visible is not None:
         return len([d for d in visible.split(",") if d.strip()])
     try:

@@ -26,6 +26,7 @@ from typing import Any
 
 import aiohttp
 
+from ...core import settings
 from ...core.engine import Engine, EngineRequestError, EngineSpec, EngineUnavailableError
 from ...core.errors import EngineError
 from ...core.net import free_port, stop_process_group
@@ -36,12 +37,12 @@ from .json_codec import loads
 
 def startup_timeout_s() -> float:
     """How long vLLM may take to start (``TRACERL_VLLM_STARTUP_TIMEOUT``, default 600 s)."""
-    return float(os.environ.get("TRACERL_VLLM_STARTUP_TIMEOUT", "600"))
+    return settings.TRACERL_VLLM_STARTUP_TIMEOUT.get()
 
 
 def vllm_python() -> str | None:
     """The interpreter that has vLLM: ``TRACERL_VLLM_PYTHON``, else this one if it has vLLM."""
-    explicit = os.environ.get("TRACERL_VLLM_PYTHON")
+    explicit = settings.TRACERL_VLLM_PYTHON.get()
     if explicit:
         return explicit if shutil.which(explicit) or Path(explicit).exists() else None
     return sys.executable if importlib.util.find_spec("vllm") else None
@@ -245,7 +246,7 @@ class VLLMEngine(Engine):
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         if self.devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in self.devices)
-        if self.cpus is not None and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        if self.cpus is not None and settings.VLLM_CPU_OMP_THREADS_BIND.get() is None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in self.cpus)
         env.pop("PYTHONPATH", None)  # the vLLM venv brings its own packages
         env.setdefault("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", str(SERVER_KEEP_ALIVE_S))

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import IO
 
+from ...core import settings
 from ...core.launcher import Launcher
 from ...core.net import free_port, stop_process_group
 from ...events.hookspecs import hookimpl
@@ -46,7 +47,7 @@ class LocalLauncher(Launcher):
                    "--monitor-interval", "0.1", "-m", module]
         # CPU ranks: one thread each unless told otherwise (torchrun's own default too)
         self.process = subprocess.Popen(
-            command, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            command, env={**os.environ, "OMP_NUM_THREADS": settings.OMP_NUM_THREADS.get(),
                           **env},
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 

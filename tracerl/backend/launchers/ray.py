@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from ...core import settings
 from ...core.engine import Engine, EngineSpec, EngineUnavailableError
 from ...core.launcher import Launcher
 from ...events.hookspecs import hookimpl
@@ -155,7 +156,7 @@ class RayLauncher(Launcher):
         super().__init__(config)
         ray = _ray()
         if not ray.is_initialized():
-            address = config.ray_address or ("auto" if os.environ.get("RAY_ADDRESS") else None)
+            address = config.ray_address or ("auto" if settings.RAY_ADDRESS.get() else None)
             ray.init(address=address, log_to_driver=False)
         self.actors: list[Any] = []
         self.runs: list[Any] = []

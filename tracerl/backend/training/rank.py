@@ -28,13 +28,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ...core import settings
 from ...core.config import LoraConfig, TrainConfig
 from .rows import Row, has_unknown_logprobs
 from .trainer import OPTIMIZER_FILE, STATE_FILE, Trainer
 
 log = logging.getLogger(__name__)
-COORDINATOR_ENV = "TRACERL_COORDINATOR"          # host:port of the coordinator
-COORDINATOR_KEY_ENV = "TRACERL_COORDINATOR_KEY"  # hex authkey of that connection
+COORDINATOR_ENV = settings.TRACERL_COORDINATOR.name          # host:port of the coordinator
+COORDINATOR_KEY_ENV = settings.TRACERL_COORDINATOR_KEY.name  # hex authkey of that connection
 
 
 def _full(value: Any) -> Any:
@@ -176,17 +177,18 @@ class RankTrainer(Trainer):
 # --- the process ----------------------------------------------------------------------------
 
 def _device() -> str:
-    wanted = os.environ.get("TRACERL_RANK_DEVICE", "auto")
+    wanted = settings.TRACERL_RANK_DEVICE.get()
     if wanted == "cuda" or (wanted == "auto" and torch.cuda.is_available()):
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_rank = settings.LOCAL_RANK.get()
         torch.cuda.set_device(local_rank)
         return f"cuda:{local_rank}"
     return "cpu"
 
 
 def _connect() -> Connection:
-    host, _, port = os.environ[COORDINATOR_ENV].rpartition(":")
-    return Client((host, int(port)), authkey=bytes.fromhex(os.environ[COORDINATOR_KEY_ENV]))
+    host, _, port = settings.TRACERL_COORDINATOR.require().rpartition(":")
+    return Client((host, int(port)),
+                  authkey=bytes.fromhex(settings.TRACERL_COORDINATOR_KEY.require()))
 
 
 def _load(payload: dict[str, Any], device: str, scratch: Path) -> RankTrainer:
@@ -233,7 +235,7 @@ def serve(conn: Connection) -> None:
 def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     conn = _connect()
-    conn.send(("hello", {"rank": int(os.environ["RANK"]), "pid": os.getpid(),
+    conn.send(("hello", {"rank": settings.RANK.require(), "pid": os.getpid(),
                          "host": socket.gethostname()}))
 
     def on_term(signum: int, frame: Any) -> None:  # stopped by the launcher: say so, then go

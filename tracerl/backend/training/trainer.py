@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...core import settings
 from ...core.config import LoraConfig, TrainConfig
 from ...core.storage import OPTIMIZER_FILE
 from ..chat_template import apply_chat_template_override, render_prompt
@@ -28,7 +29,7 @@ STATE_FILE = "trainer_state.json"
 
 
 def unsloth_usable() -> bool:
-    return (os.environ.get("TRACERL_DISABLE_UNSLOTH") != "1" and torch.cuda.is_available()
+    return (not settings.TRACERL_DISABLE_UNSLOTH.get() and torch.cuda.is_available()
             and importlib.util.find_spec("unsloth") is not None)
 
 
