@@ -43,7 +43,9 @@ class Span(Validated):
 
 def span_path(span: Span, by_id: dict[str, Span]) -> list[str]:
     """Names from the outermost ancestor down to ``span`` (cycles and gaps tolerated)."""
-    names, seen, cur = [], set(), span
+    names: list[str] = []
+    seen: set[str] = set()
+    cur: Span | None = span
     while cur is not None and cur.id not in seen:
         seen.add(cur.id)
         names.append(cur.name or cur.kind)

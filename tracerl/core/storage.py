@@ -324,9 +324,10 @@ class ModelStore:
         """The train metrics saved inside checkpoint ``step`` (None for older checkpoints)."""
         path = self.checkpoint_dir(step) / STEP_METRICS
         try:
-            return json.loads(path.read_text())
+            metrics: dict[str, float] = json.loads(path.read_text())
         except (FileNotFoundError, ValueError):
             return None
+        return metrics
 
     def train_metrics(self, step: int) -> dict[str, float]:
         """The metrics of train step ``step``: its history line, else its checkpoint's."""

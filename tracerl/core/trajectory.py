@@ -11,7 +11,7 @@ import json
 import math
 import time
 import traceback
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeAlias
@@ -360,7 +360,7 @@ def fill_messages_from_calls(trajectory: Trajectory) -> None:
     chats = [c for c in trajectory.llm_calls if c.endpoint == "chat.completions" and c.response]
     if chats:
         last = chats[-1]
-        choices = last.response.get("choices") or []
+        choices = (last.response or {}).get("choices") or []  # (non-empty: filtered above)
         trajectory.messages_and_choices = [*last.request.get("messages", []), *choices[:1]]
 
 
@@ -454,7 +454,7 @@ class TrajectoryGroup(_Validated, metaclass=_GroupConstruction):
     def __len__(self) -> int:
         return len(self.trajectories)
 
-    def __iter__(self):  # type: ignore[override]
+    def __iter__(self) -> Iterator[Trajectory]:  # type: ignore[override]  # ART: not (name, value)
         return iter(self.trajectories)
 
 
