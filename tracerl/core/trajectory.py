@@ -11,10 +11,10 @@ import json
 import math
 import time
 import traceback
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Any, ClassVar, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeAlias
 
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 from openai.types.chat.chat_completion import Choice
@@ -409,8 +409,17 @@ class TrajectoryGroup(_Validated, metaclass=_GroupConstruction):
     metrics: dict[str, float] = Field(default_factory=dict)  # ART's group-level metrics
     logs: list[str] = Field(default_factory=list)
 
+    if TYPE_CHECKING:
+        # ``TrajectoryGroup(rollout_awaitables)`` is a PendingTrajectoryGroup at run time (the
+        # metaclass), which a type checker cannot express: declared awaitable here so that ART's
+        # ``await TrajectoryGroup(...)`` and ``gather_trajectory_groups([TrajectoryGroup(...)])``
+        # type-check. A group of finished trajectories is not awaitable.
+        def __await__(self) -> Generator[Any, None, TrajectoryGroup]: ...
+
     def __init__(
-        self, trajectories: list[Trajectory | BaseException] | None = None, *,
+        self,
+        trajectories: Iterable[Trajectory | dict[str, Any] | BaseException]
+        | Iterable[Awaitable[Trajectory]] | None = None, *,
         exceptions: Iterable[BaseException | RolloutException | dict[str, Any]] = (),
         metadata: dict[str, Any] | None = None, **data: Any,
     ) -> None:
@@ -418,23 +427,24 @@ class TrajectoryGroup(_Validated, metaclass=_GroupConstruction):
             trajectories = data.pop("trajectories", [])
         # as in ART, exceptions among the trajectories (asyncio.gather(return_exceptions=True))
         # are the group's failed rollouts
+        # (a list here: the metaclass lists an iterable, and sends awaitables elsewhere)
         failed = [t for t in trajectories if isinstance(t, BaseException)]
-        trajectories = [t for t in trajectories if not isinstance(t, BaseException)]
+        kept = [t for t in trajectories if not isinstance(t, BaseException)]
         excs = [
             RolloutException.from_exception(e) if isinstance(e, BaseException) else e
             for e in [*failed, *exceptions]
         ]
-        if not trajectories and not excs:
+        if not kept and not excs:
             raise InvalidTrajectoryError(
                 "a TrajectoryGroup needs at least one trajectory "
                 "(or the exceptions of its failed rollouts)"
             )
-        for i, t in enumerate(trajectories):
+        for i, t in enumerate(kept):
             if not isinstance(t, Trajectory | dict):
                 raise InvalidTrajectoryError(
                     f"trajectories[{i}] is a {type(t).__name__}, not a Trajectory"
                 )
-        super().__init__(trajectories=trajectories, exceptions=excs, metadata=metadata or {},
+        super().__init__(trajectories=kept, exceptions=excs, metadata=metadata or {},
                          **data)
 
     @field_validator("metrics", mode="before")
