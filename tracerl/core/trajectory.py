@@ -381,7 +381,7 @@ class RolloutException(_Validated):
         return cls(type=type(exc).__name__, message=str(exc), traceback=tb, rollout_id=rollout_id)
 
 
-class _GroupConstruction(type(BaseModel)):  # type: ignore[misc]
+class _GroupConstruction(type(BaseModel)):  # type: ignore[misc]  # a dynamic base
     """``TrajectoryGroup(...)``: trajectories make a group; rollout awaitables (ART's way) make
     a :class:`PendingTrajectoryGroup` to await. An iterable is read once, here."""
 
