@@ -12,7 +12,7 @@ import math
 import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import AbstractContextManager, asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeAlias
 
@@ -237,7 +237,9 @@ class Trajectory(Conversation):
     end_time: float | None = None
     # the rollout of its ``with`` block, whose recorded calls are attached later
     _scope: RolloutContext | None = PrivateAttr(default=None)
-    _scope_exit: list[Any] = PrivateAttr(default_factory=list)
+    _scope_exit: list[tuple[AbstractContextManager[RolloutContext],
+                            contextvars.Token[tuple[Trajectory, ...]]]] = PrivateAttr(
+        default_factory=list)
 
     def __init__(self, **data: Any) -> None:
         if data.get("rollout_id") is None:
@@ -298,7 +300,7 @@ class Trajectory(Conversation):
         self._scope_exit.append((scope, _capturing.set((*_capturing.get(), self))))
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: Any) -> None:  # (type, value, traceback), passed on as given
         scope, token = self._scope_exit.pop()
         _capturing.reset(token)
         scope.__exit__(*exc)
@@ -306,7 +308,7 @@ class Trajectory(Conversation):
 
 
 @contextmanager
-def no_capture() -> Any:
+def no_capture() -> Iterator[None]:
     """Hide the enclosing capture (ART's ``art.no_capture``): inside, no trajectory is current
     and LLM calls belong to no enclosing rollout; new ``with Trajectory():`` blocks still
     capture."""
@@ -315,7 +317,7 @@ def no_capture() -> Any:
 
 
 @contextmanager
-def _hidden_capture() -> Any:
+def _hidden_capture() -> Iterator[None]:
     token = _capturing.set(())
     try:
         yield
@@ -480,7 +482,8 @@ class PendingTrajectoryGroup:
 
     run_rollouts: ClassVar[RunRollouts | None] = None
 
-    def __init__(self, awaitables: list[Awaitable[Trajectory]], *, exceptions: Iterable[Any] = (),
+    def __init__(self, awaitables: list[Awaitable[Trajectory]], *,
+                 exceptions: Iterable[BaseException | RolloutException | dict[str, Any]] = (),
                  metadata: dict[str, Any] | None = None, metrics: dict[str, float] | None = None,
                  logs: list[str] | None = None) -> None:
         self.awaitables = awaitables
@@ -500,7 +503,7 @@ class PendingTrajectoryGroup:
                                "(import tracerl)")
         return run(self, group_index)
 
-    def __await__(self) -> Any:
+    def __await__(self) -> Generator[Any, None, TrajectoryGroup]:
         return self.run().__await__()
 
 
