@@ -62,9 +62,11 @@ demo: $(DEMO_STAMP)
 # pytest exits 5 when a stage selects no test; that is not a failure of the stage
 PYTEST = TRACERL_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python \
 	TRACERL_LITELLM_PYTHON=$(CURDIR)/$(LITELLM_VENV)/bin/python $(VENV)/bin/python -m pytest
-# lint first: line length and imports are part of the test (seconds)
+# lint first: line length, imports and types are part of the test (mypy: [tool.mypy] in
+# pyproject.toml, strict on tracerl.core, .events and .rollout; a minute cold, seconds cached)
 test: $(STAMP) $(VLLM_STAMP) $(LITELLM_STAMP)
 	$(VENV)/bin/ruff check tracerl tests benchmarks examples
+	$(VENV)/bin/mypy
 	$(PYTEST) -m "not slow" -q; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 test-slow: $(STAMP) $(VLLM_STAMP) $(LITELLM_STAMP)
@@ -74,3 +76,4 @@ test-slow: $(STAMP) $(VLLM_STAMP) $(LITELLM_STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check tracerl tests benchmarks examples
+	$(VENV)/bin/mypy

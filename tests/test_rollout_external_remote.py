@@ -60,3 +60,12 @@ async def test_spans_posted_to_the_server_come_back_to_a_remote_trainer(remote, 
     assert r.json() == {"rollout_id": rid, "added": 1}, r.text
     (got,) = await model.fetch_spans(rid)
     assert (got.id, got.kind, got.name) == ("span-remote", "tool", "lookup")
+
+
+@pytest.mark.parametrize("n_groups", [None, 0, "2", True, 1.5])
+def test_a_take_without_a_whole_number_of_groups_is_a_400_naming_it(remote, server, n_groups):
+    """Before: a missing ``n_groups`` reached the rollout store as None (a 500)."""
+    body = {"request_id": "take-bad-n", **({} if n_groups is None else {"n_groups": n_groups})}
+    r = httpx2.post(f"{server.url}/api/v1/models/tests/ext-remote/external/take", json=body,
+                    headers={"authorization": f"Bearer {API_KEY}"}, timeout=30)
+    assert r.status_code == 400 and "n_groups" in r.json()["error"]["message"], r.text

@@ -5,15 +5,20 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 from .core import settings
 from .core.config import DistributedTrainerConfig
 from .core.errors import ConfigError, TracerlError
 from .core.net import is_loopback
 
+if TYPE_CHECKING:
+    from .core.engine import Engine
+    from .core.launcher import Launcher
 
-def _availability(classes: dict[str, type]) -> str:
+
+def _availability(classes: Mapping[str, type[Engine] | type[Launcher]]) -> str:
     """``name, name (unavailable)``: plugin classes and whether they can run here."""
     return ", ".join(f"{n}{'' if cls.available() else ' (unavailable)'}"
                      for n, cls in sorted(classes.items()))

@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from openai.types.chat import ChatCompletionMessageParam
 from tqdm.auto import tqdm
 
 import tracerl
@@ -43,7 +44,7 @@ def scenarios(seed: int, n: int) -> list[str]:
 
 async def rollout(model: tracerl.Model, number: str, temperature: float) -> tracerl.Trajectory:
     client = model.openai_client()
-    messages = [{"role": "system", "content": SYSTEM},
+    messages: list[ChatCompletionMessageParam] = [{"role": "system", "content": SYSTEM},
                 {"role": "user", "content": f"Repeat this number: {number}"}]
     response = await client.chat.completions.create(
         model=model.get_inference_name(), messages=messages, max_tokens=16, temperature=temperature)

@@ -17,6 +17,7 @@ import json
 import logging
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import asdict
 from functools import lru_cache
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -139,7 +140,7 @@ def _tokenizer(base_model: str) -> Any:
         return None
 
 
-ROUTES = [
+ROUTES: list[tuple[re.Pattern[str], Callable[..., object]]] = [
     (re.compile(r"/api/history"), lambda v: v.history()),
     (re.compile(r"/api/steps"), lambda v: v.steps()),
     (re.compile(r"/api/doctor"), lambda v: v.doctor()),
@@ -213,7 +214,7 @@ class Viewer:
     @property
     def url(self) -> str:
         host, port = self.server.server_address[:2]
-        return f"http://{host}:{port}/"
+        return f"http://{host!s}:{port}/"  # a str host (!s: typeshed allows bytes too)
 
     def __enter__(self) -> Viewer:
         self.thread.start()

@@ -132,10 +132,10 @@ class _ModelRollouts:
     def _apply(self, e: dict[str, Any]) -> None:
         kind = e.get("event")
         if kind == "open":
-            r = ExternalRollout(e["rollout_id"], e["group"], e.get("group_size"),
-                                e.get("metadata") or {}, e["at"])
-            self.rollouts[r.rollout_id] = r
-            self.groups.setdefault(r.group, []).append(r.rollout_id)
+            opened = ExternalRollout(e["rollout_id"], e["group"], e.get("group_size"),
+                                     e.get("metadata") or {}, e["at"])
+            self.rollouts[opened.rollout_id] = opened
+            self.groups.setdefault(opened.group, []).append(opened.rollout_id)
             return
         if kind == "taken":
             self.taken[e["request_id"]] = e["groups"]

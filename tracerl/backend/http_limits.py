@@ -110,7 +110,9 @@ class BoundedH11Protocol(H11Protocol):
             return
         super().eof_received()
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(  # type: ignore[override]  # uvicorn's H11Protocol narrows it too
+        self, transport: asyncio.Transport
+    ) -> None:
         super().connection_made(transport)
         self._arm("head", self.head_timeout_s, self._head_timed_out)
 

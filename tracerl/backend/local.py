@@ -64,7 +64,7 @@ def choose_engine(requested: str) -> type[Engine]:
     """The engine class for 'vllm', 'transformers', a plugin's name, or 'auto'."""
     engines = collect_classes("tracerl_engines")
     if requested == "auto":
-        requested = settings.TRACERL_ENGINE.get(requested)
+        requested = settings.TRACERL_ENGINE.get() or requested
     if requested == "auto":
         for name in ("vllm", "transformers"):
             if name in engines and engines[name].available():

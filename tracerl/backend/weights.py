@@ -56,7 +56,7 @@ def convert_smollm2(out: Path) -> Path:
             src, gguf_file=SMOLLM2_GGUF, dtype=torch.bfloat16,
             quantization_config=GgufConfig(dequantize=True),
         )
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]  # nn.Module types it as a Tensor
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.generation_config.eos_token_id = tok.eos_token_id

@@ -15,9 +15,15 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+
+if TYPE_CHECKING:
+    from .spans import Span
 
 T = TypeVar("T")
+P = ParamSpec("P")
+# the value of one call tag (``call_tags``): a short JSON scalar
+CallTag = str | int | float | bool | None
 
 ROLLOUT_HEADER = "x-rollout-id"
 # JSON object of short scalar tags the gateway stores on the call record (``call_tags``)
@@ -34,10 +40,12 @@ class RolloutContext:
     index: int | None = None
     started_at: float = field(default_factory=time.time)
     metadata: dict[str, Any] = field(default_factory=dict)
-    # Models whose endpoint this rollout called; their calls are attached at the end.
+    # Models whose endpoint this rollout called; their calls are attached at the end. Any: the
+    # rollout layer's Model (``fetch_calls``), which core cannot name, and a Protocol for it here
+    # would need LLMCall from .trajectory, which imports this module (a cycle in core).
     models: dict[int, Any] = field(default_factory=dict)
-    # Structure recorded by framework adapters (tracerl.core.spans.Span), in start order.
-    spans: list[Any] = field(default_factory=list)
+    # Structure recorded by framework adapters, in start order.
+    spans: list[Span] = field(default_factory=list)
     # the newest request sent to a model's endpoint (what the watchdog shows for a stuck rollout)
     last_call: str | None = None
     last_call_at: float | None = None
@@ -52,7 +60,7 @@ _current: contextvars.ContextVar[RolloutContext | None] = contextvars.ContextVar
 )
 
 
-_call_tags: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
+_call_tags: contextvars.ContextVar[dict[str, CallTag] | None] = contextvars.ContextVar(
     "tracerl_call_tags", default=None
 )
 
@@ -115,12 +123,12 @@ def outside_rollout() -> Iterator[None]:
         _current.reset(token)
 
 
-def current_call_tags() -> dict[str, Any]:
+def current_call_tags() -> dict[str, CallTag]:
     return dict(_call_tags.get() or {})
 
 
 @contextmanager
-def call_tags(**tags: str | int | float | bool | None) -> Iterator[dict[str, Any]]:
+def call_tags(**tags: CallTag) -> Iterator[dict[str, CallTag]]:
     """Tag every LLM call made in this block (through tracerl's clients): the gateway stores
     the tags on the call's record (``LLMCall.metadata['tags']``). Nested blocks merge."""
     merged = {**(_call_tags.get() or {}), **tags}
@@ -143,6 +151,6 @@ class ContextThreadPoolExecutor(ThreadPoolExecutor):
     would lose the rollout id; use this one for sync tool code that calls the LLM.
     """
 
-    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:  # type: ignore[override]
+    def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
         ctx = contextvars.copy_context()
-        return super().submit(ctx.run, fn, *args, **kwargs)
+        return super().submit(lambda: ctx.run(fn, *args, **kwargs))

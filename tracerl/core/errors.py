@@ -39,15 +39,16 @@ The two columns are the error's ``code`` and HTTP ``status``: the one table that
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 
 class TracerlError(Exception):
     """Base class of all tracerl errors. ``code`` and ``status`` are given as class keywords:
     ``class QueueFullError(TrainingError, code="queue_full", status=429)``."""
 
-    code: ClassVar[str] = "server_error"
-    status: ClassVar[int] = 500
+    # class defaults; EngineRequestError and RemoteError set them per instance
+    code: str = "server_error"
+    status: int = 500
 
     def __init_subclass__(cls, code: str | None = None, status: int | None = None,
                           **kwargs: Any) -> None:
@@ -134,9 +135,9 @@ class EngineRequestError(EngineError):
     def __init__(self, message: str, status: int = 400, param: str | None = None,
                  code: str | None = None) -> None:
         super().__init__(message)
-        self.status = status  # type: ignore[misc]  # per request, unlike the class default
+        self.status = status  # per request, unlike the class default
         self.param = param
-        self.code = code or "invalid_request"  # type: ignore[misc]
+        self.code = code or "invalid_request"
 
 
 class TrainingError(TracerlError, RuntimeError, code="training_failed"):
@@ -172,8 +173,8 @@ class RemoteError(TracerlError, RuntimeError):
 
     def __init__(self, message: str, status: int | None = None, code: str | None = None) -> None:
         super().__init__(message)
-        self.status = status or 500  # type: ignore[misc]
-        self.code = code or "server_error"  # type: ignore[misc]
+        self.status = status or 500
+        self.code = code or "server_error"
 
 
 class BadAnswerError(TracerlError, RuntimeError, code="bad_server_answer", status=502):

@@ -20,7 +20,8 @@ class PerLoop(Generic[T]):
 
     def __init__(self, usable: Callable[[T], bool] = lambda value: True) -> None:
         self._usable = usable
-        self._entries: dict[tuple[int, Hashable], tuple[weakref.ref, T]] = {}
+        self._entries: dict[tuple[int, Hashable],
+                            tuple[weakref.ref[asyncio.AbstractEventLoop], T]] = {}
 
     def get(self, make: Callable[[asyncio.AbstractEventLoop], T], key: Hashable = None) -> T:
         """The running loop's value for ``key``; ``make(loop)`` makes a missing one."""

@@ -21,10 +21,11 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` now (the OS picks it)."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]  # (host, port) for IPv4, (host, port, flow, scope) for v6
+        return port
 
 
-def stop_process_group(process: subprocess.Popen, grace_s: float) -> None:
+def stop_process_group(process: subprocess.Popen[bytes], grace_s: float) -> None:
     """SIGTERM the process group of ``process`` (started with ``start_new_session``), then
     SIGKILL it if it has not exited within ``grace_s``; waits for the exit either way."""
     if process.poll() is not None:

@@ -32,6 +32,7 @@ from .errors import ConfigError
 
 T = TypeVar("T")
 D = TypeVar("D")
+S = TypeVar("S")
 _UNSET: Any = object()
 
 
@@ -65,11 +66,12 @@ class Setting(Generic[T]):
             raise ConfigError(f"{self.name}={raw!r} is not a valid {self.kind}: {self.doc}"
                               ) from None
 
-    def require(self) -> T:
-        """The value, which must be set (and not empty)."""
-        if not os.environ.get(self.name):
+    def require(self: Setting[S | None]) -> S:
+        """The value of a variable without a default, which must be set (and not empty)."""
+        value = self.get()
+        if value is None or not os.environ.get(self.name):
             raise ConfigError(f"{self.name} is not set: {self.doc}")
-        return self.get()
+        return value
 
 
 def _declare(kind: str, parse: Callable[[str], T], default: T, group: str, doc: str

@@ -8,7 +8,8 @@ joins the two, so every recorded call knows which node, agent or tool loop produ
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Any, Literal, Protocol
 
 from pydantic import Field, field_validator
 
@@ -43,7 +44,9 @@ class Span(Validated):
 
 def span_path(span: Span, by_id: dict[str, Span]) -> list[str]:
     """Names from the outermost ancestor down to ``span`` (cycles and gaps tolerated)."""
-    names, seen, cur = [], set(), span
+    names: list[str] = []
+    seen: set[str] = set()
+    cur: Span | None = span
     while cur is not None and cur.id not in seen:
         seen.add(cur.id)
         names.append(cur.name or cur.kind)
@@ -51,7 +54,19 @@ def span_path(span: Span, by_id: dict[str, Span]) -> list[str]:
     return names[::-1]
 
 
-def link_spans_to_calls(spans: list[Span], calls: list[Any]) -> None:
+class CallRecord(Protocol):
+    """What pairing reads of a call's record: an LLMCall (:mod:`.trajectory`, which imports
+    this module, so it cannot be named here)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def response(self) -> dict[str, Any] | None: ...
+    @property
+    def metadata(self) -> dict[str, Any]: ...
+
+
+def link_spans_to_calls(spans: list[Span], calls: Sequence[CallRecord]) -> None:
     """Pair LLM spans with the token records they produced.
 
     A call is matched by the span id it was tagged with (``call_tags(span_id=...)``), or the
@@ -63,7 +78,7 @@ def link_spans_to_calls(spans: list[Span], calls: list[Any]) -> None:
     by_id = {s.id: s for s in spans}
     llm_spans = [s for s in spans if s.kind == "llm"]
     by_response = {s.response_id: s for s in llm_spans if s.response_id}
-    unmatched_calls = []
+    unmatched_calls: list[CallRecord] = []
     for call in calls:
         tags = call.metadata.get("tags") or {}
         response_id = (call.response or {}).get("id")
@@ -85,7 +100,7 @@ def link_spans_to_calls(spans: list[Span], calls: list[Any]) -> None:
             _pair(span, call, by_id)
 
 
-def _pair(span: Span, call: Any, by_id: dict[str, Span]) -> None:
+def _pair(span: Span, call: CallRecord, by_id: dict[str, Span]) -> None:
     span.call_id = call.id
     call.metadata["span_id"] = span.id
     call.metadata["span_path"] = span_path(span, by_id)

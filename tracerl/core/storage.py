@@ -43,8 +43,9 @@ STEP_METRICS = "step_metrics.json"
 OPTIMIZER_FILE = "optimizer.pt"
 
 
-def validate_name(kind: str, value: str) -> str:
-    """Reject names that could escape a directory or confuse a URL (``..``, ``/``, spaces...)."""
+def validate_name(kind: str, value: object) -> str:
+    """Reject names that could escape a directory or confuse a URL (``..``, ``/``, spaces...);
+    ``value`` may be anything a request held (a non-string is refused too)."""
     if not isinstance(value, str) or not _NAME_RE.fullmatch(value) or ".." in value:
         raise ConfigError(
             f"invalid {kind} name {value!r}: use 1-128 letters, digits, '.', '_' or '-', "
@@ -324,9 +325,10 @@ class ModelStore:
         """The train metrics saved inside checkpoint ``step`` (None for older checkpoints)."""
         path = self.checkpoint_dir(step) / STEP_METRICS
         try:
-            return json.loads(path.read_text())
+            metrics: dict[str, float] = json.loads(path.read_text())
         except (FileNotFoundError, ValueError):
             return None
+        return metrics
 
     def train_metrics(self, step: int) -> dict[str, float]:
         """The metrics of train step ``step``: its history line, else its checkpoint's."""

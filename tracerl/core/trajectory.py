@@ -11,10 +11,10 @@ import json
 import math
 import time
 import traceback
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable, Iterator
+from contextlib import AbstractContextManager, asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Any, ClassVar, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeAlias
 
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 from openai.types.chat.chat_completion import Choice
@@ -237,7 +237,9 @@ class Trajectory(Conversation):
     end_time: float | None = None
     # the rollout of its ``with`` block, whose recorded calls are attached later
     _scope: RolloutContext | None = PrivateAttr(default=None)
-    _scope_exit: list[Any] = PrivateAttr(default_factory=list)
+    _scope_exit: list[tuple[AbstractContextManager[RolloutContext],
+                            contextvars.Token[tuple[Trajectory, ...]]]] = PrivateAttr(
+        default_factory=list)
 
     def __init__(self, **data: Any) -> None:
         if data.get("rollout_id") is None:
@@ -298,7 +300,7 @@ class Trajectory(Conversation):
         self._scope_exit.append((scope, _capturing.set((*_capturing.get(), self))))
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: Any) -> None:  # (type, value, traceback), passed on as given
         scope, token = self._scope_exit.pop()
         _capturing.reset(token)
         scope.__exit__(*exc)
@@ -306,7 +308,7 @@ class Trajectory(Conversation):
 
 
 @contextmanager
-def no_capture() -> Any:
+def no_capture() -> Iterator[None]:
     """Hide the enclosing capture (ART's ``art.no_capture``): inside, no trajectory is current
     and LLM calls belong to no enclosing rollout; new ``with Trajectory():`` blocks still
     capture."""
@@ -315,7 +317,7 @@ def no_capture() -> Any:
 
 
 @contextmanager
-def _hidden_capture() -> Any:
+def _hidden_capture() -> Iterator[None]:
     token = _capturing.set(())
     try:
         yield
@@ -360,7 +362,7 @@ def fill_messages_from_calls(trajectory: Trajectory) -> None:
     chats = [c for c in trajectory.llm_calls if c.endpoint == "chat.completions" and c.response]
     if chats:
         last = chats[-1]
-        choices = last.response.get("choices") or []
+        choices = (last.response or {}).get("choices") or []  # (non-empty: filtered above)
         trajectory.messages_and_choices = [*last.request.get("messages", []), *choices[:1]]
 
 
@@ -381,7 +383,7 @@ class RolloutException(_Validated):
         return cls(type=type(exc).__name__, message=str(exc), traceback=tb, rollout_id=rollout_id)
 
 
-class _GroupConstruction(type(BaseModel)):  # type: ignore[misc]
+class _GroupConstruction(type(BaseModel)):  # type: ignore[misc]  # a dynamic base
     """``TrajectoryGroup(...)``: trajectories make a group; rollout awaitables (ART's way) make
     a :class:`PendingTrajectoryGroup` to await. An iterable is read once, here."""
 
@@ -409,8 +411,17 @@ class TrajectoryGroup(_Validated, metaclass=_GroupConstruction):
     metrics: dict[str, float] = Field(default_factory=dict)  # ART's group-level metrics
     logs: list[str] = Field(default_factory=list)
 
+    if TYPE_CHECKING:
+        # ``TrajectoryGroup(rollout_awaitables)`` is a PendingTrajectoryGroup at run time (the
+        # metaclass), which a type checker cannot express: declared awaitable here so that ART's
+        # ``await TrajectoryGroup(...)`` and ``gather_trajectory_groups([TrajectoryGroup(...)])``
+        # type-check. A group of finished trajectories is not awaitable.
+        def __await__(self) -> Generator[Any, None, TrajectoryGroup]: ...
+
     def __init__(
-        self, trajectories: list[Trajectory | BaseException] | None = None, *,
+        self,
+        trajectories: Iterable[Trajectory | dict[str, Any] | BaseException]
+        | Iterable[Awaitable[Trajectory]] | None = None, *,
         exceptions: Iterable[BaseException | RolloutException | dict[str, Any]] = (),
         metadata: dict[str, Any] | None = None, **data: Any,
     ) -> None:
@@ -418,23 +429,24 @@ class TrajectoryGroup(_Validated, metaclass=_GroupConstruction):
             trajectories = data.pop("trajectories", [])
         # as in ART, exceptions among the trajectories (asyncio.gather(return_exceptions=True))
         # are the group's failed rollouts
+        # (a list here: the metaclass lists an iterable, and sends awaitables elsewhere)
         failed = [t for t in trajectories if isinstance(t, BaseException)]
-        trajectories = [t for t in trajectories if not isinstance(t, BaseException)]
+        kept = [t for t in trajectories if not isinstance(t, BaseException)]
         excs = [
             RolloutException.from_exception(e) if isinstance(e, BaseException) else e
             for e in [*failed, *exceptions]
         ]
-        if not trajectories and not excs:
+        if not kept and not excs:
             raise InvalidTrajectoryError(
                 "a TrajectoryGroup needs at least one trajectory "
                 "(or the exceptions of its failed rollouts)"
             )
-        for i, t in enumerate(trajectories):
+        for i, t in enumerate(kept):
             if not isinstance(t, Trajectory | dict):
                 raise InvalidTrajectoryError(
                     f"trajectories[{i}] is a {type(t).__name__}, not a Trajectory"
                 )
-        super().__init__(trajectories=trajectories, exceptions=excs, metadata=metadata or {},
+        super().__init__(trajectories=kept, exceptions=excs, metadata=metadata or {},
                          **data)
 
     @field_validator("metrics", mode="before")
@@ -454,7 +466,7 @@ class TrajectoryGroup(_Validated, metaclass=_GroupConstruction):
     def __len__(self) -> int:
         return len(self.trajectories)
 
-    def __iter__(self):  # type: ignore[override]
+    def __iter__(self) -> Iterator[Trajectory]:  # type: ignore[override]  # ART: not (name, value)
         return iter(self.trajectories)
 
 
@@ -470,7 +482,8 @@ class PendingTrajectoryGroup:
 
     run_rollouts: ClassVar[RunRollouts | None] = None
 
-    def __init__(self, awaitables: list[Awaitable[Trajectory]], *, exceptions: Iterable[Any] = (),
+    def __init__(self, awaitables: list[Awaitable[Trajectory]], *,
+                 exceptions: Iterable[BaseException | RolloutException | dict[str, Any]] = (),
                  metadata: dict[str, Any] | None = None, metrics: dict[str, float] | None = None,
                  logs: list[str] | None = None) -> None:
         self.awaitables = awaitables
@@ -490,7 +503,7 @@ class PendingTrajectoryGroup:
                                "(import tracerl)")
         return run(self, group_index)
 
-    def __await__(self) -> Any:
+    def __await__(self) -> Generator[Any, None, TrajectoryGroup]:
         return self.run().__await__()
 
 

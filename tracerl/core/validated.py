@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Self
 
 from pydantic import BaseModel, ValidationError
 
@@ -26,7 +26,7 @@ class Validated(BaseModel):
             raise InvalidTrajectoryError(f"invalid {type(self).__name__}.{name}: {e}") from None
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> Any:
+    def from_json(cls, text: str | bytes) -> Self:
         try:
             return cls.model_validate_json(text)
         except ValidationError as e:

@@ -21,14 +21,17 @@ Each hook documents its arguments, when and on which thread it is called, and an
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import pluggy
 
 if TYPE_CHECKING:
+    from ..core.backend import Backend
     from ..core.config import TrainConfig
     from ..core.context import RolloutContext
+    from ..core.engine import Engine
+    from ..core.launcher import Launcher
     from ..core.model_spec import ModelSpec
     from ..core.trajectory import LLMCall, Trajectory, TrajectoryGroup
 
@@ -42,7 +45,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 # --- backends and engines -------------------------------------------------------------------
 
 @hookspec
-def tracerl_engines() -> list[type]:
+def tracerl_engines() -> list[type[Engine]]:
     """Return inference engine classes this plugin provides.
 
     Arguments: none.
@@ -65,7 +68,7 @@ def tracerl_engines() -> list[type]:
 
 
 @hookspec
-def tracerl_backends() -> list[type]:
+def tracerl_backends() -> list[type[Backend]]:
     """Return backend classes this plugin provides.
 
     Arguments: none.
@@ -86,7 +89,7 @@ def tracerl_backends() -> list[type]:
 
 
 @hookspec
-def tracerl_launchers() -> list[type]:
+def tracerl_launchers() -> list[type[Launcher]]:
     """Return launcher classes this plugin provides (where a distributed trainer's ranks and
     the inference replicas run).
 
@@ -199,7 +202,9 @@ def tracerl_on_trajectory_end(trajectory: Trajectory) -> None:
 # --- reward and judging -----------------------------------------------------------------------
 
 @hookspec(firstresult=True)
-def tracerl_score_group(group: TrajectoryGroup, judge: str | None) -> Any:
+def tracerl_score_group(
+    group: TrajectoryGroup, judge: str | None,
+) -> Awaitable[TrajectoryGroup | None] | TrajectoryGroup | None:
     """Score a group of trajectories; the first plugin that answers wins.
 
     Arguments:

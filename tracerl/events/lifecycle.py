@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..core.errors import PluginError
 from .plugins import get_plugin_manager
@@ -68,13 +68,15 @@ async def step_logged(model: ModelSpec, step: int, split: str, metrics: dict[str
                                 split=split, groups=groups)
 
 
-async def score_group(group: TrajectoryGroup, judge: str | None = None) -> Any:
+async def score_group(group: TrajectoryGroup, judge: str | None = None
+                      ) -> TrajectoryGroup | None:
     """Score ``group`` with the first judge plugin that accepts it (``judge`` names one)."""
     result = get_plugin_manager().hook.tracerl_score_group(group=group, judge=judge)
     if result is None:
         raise PluginError(f"no judge plugin scores groups (judge={judge!r}); "
                           "see `tracerl plugins`")
-    return await result if inspect.isawaitable(result) else result
+    scored: TrajectoryGroup | None = await result if inspect.isawaitable(result) else result
+    return scored
 
 
 async def art_train_event(model: ModelSpec, event: TrainEvent, groups: list[TrajectoryGroup],

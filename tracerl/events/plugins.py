@@ -16,14 +16,20 @@ import importlib.metadata
 import inspect
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Literal, overload
 
 import pluggy
 
 from ..core import settings
 from ..core.errors import PluginError
 from . import hookspecs
+
+if TYPE_CHECKING:
+    from ..core.backend import Backend
+    from ..core.engine import Engine
+    from ..core.launcher import Launcher
 
 ENTRY_POINT_GROUP = "tracerl"
 log = logging.getLogger(__name__)
@@ -61,7 +67,7 @@ class PluginInfo:
     hooks: list[str]
 
 
-def _check_api(name: str, plugin: Any) -> None:
+def _check_api(name: str, plugin: object) -> None:
     wanted = getattr(plugin, "TRACERL_PLUGIN_API", hookspecs.HOOKSPEC_VERSION)
     if not isinstance(wanted, int) or wanted > hookspecs.HOOKSPEC_VERSION:
         raise PluginError(
@@ -150,7 +156,7 @@ def reset_plugin_manager() -> None:
         _manager = None
 
 
-def register(plugin: Any, name: str | None = None) -> str:
+def register(plugin: object, name: str | None = None) -> str:
     """Register a plugin object or module at run time (for code that is not packaged)."""
     pm = get_plugin_manager()
     _check_api(name or repr(plugin), plugin)
@@ -193,7 +199,7 @@ class HookDoc:
     implemented_by: list[str]
 
 
-def _signature(name: str, fn: Any) -> str:
+def _signature(name: str, fn: Callable[..., object]) -> str:
     """``name(arg: Type, ...) -> Type`` from the (postponed, so textual) annotations."""
     sig = inspect.signature(fn)
     params = ", ".join(
@@ -221,6 +227,14 @@ def hook_reference() -> list[HookDoc]:
     return out
 
 
+@overload
+def collect_classes(hook_name: Literal["tracerl_engines"]) -> dict[str, type[Engine]]: ...
+@overload
+def collect_classes(hook_name: Literal["tracerl_backends"]) -> dict[str, type[Backend]]: ...
+@overload
+def collect_classes(hook_name: Literal["tracerl_launchers"]) -> dict[str, type[Launcher]]: ...
+@overload
+def collect_classes(hook_name: str) -> dict[str, type]: ...
 def collect_classes(hook_name: str) -> dict[str, type]:
     """Gather the classes returned by a list-returning hook (engines, backends), keyed by name."""
     pm = get_plugin_manager()

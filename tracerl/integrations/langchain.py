@@ -32,6 +32,7 @@ from langchain_core.tracers.context import register_configure_hook
 from pydantic import Field, PrivateAttr
 
 from ..core.context import RolloutContext, current_rollout
+from ..core.spans import SpanKind
 from ..core.trajectory import Trajectory
 from ..events.hookspecs import hookimpl
 from ..events.plugins import get_plugin_manager
@@ -69,7 +70,7 @@ class TracerlCallbackHandler(BaseCallbackHandler):
         metadata = metadata or {}
         name = kwargs.get("name") or _serialized_name(serialized) or "chain"
         node = metadata.get("langgraph_node")
-        kind = "node" if node is not None and name == node else "chain"
+        kind: SpanKind = "node" if node is not None and name == node else "chain"
         self.recorder.start(str(run_id), kind, name, self._parent(parent_run_id),
                             langgraph_step=metadata.get("langgraph_step"), node=node)
 
@@ -276,7 +277,7 @@ class LazyChatModel(BaseChatModel):
 
         # ChatOpenAI formats tools and tool_choice; the call itself is bound later
         shaped = ChatOpenAI(model="unbound", api_key="unbound").bind_tools(tools, **kwargs)
-        return self.bind(**shaped.kwargs)
+        return self.bind(**shaped.kwargs)  # type: ignore[attr-defined]  # a RunnableBinding
 
     def _generate(self, messages: Any, stop: Any = None, run_manager: Any = None,
                   **kwargs: Any) -> Any:

@@ -32,10 +32,12 @@ from agents.tracing import (
 from agents.tracing.processors import default_processor
 
 from ..core.context import call_tags, current_rollout
+from ..core.spans import SpanKind
 from .span_recorder import SpanRecorder, short
 
-_KINDS = {"agent": "agent", "function": "tool", "generation": "llm", "response": "llm",
-          "handoff": "handoff", "guardrail": "guardrail", "task": "chain", "turn": "chain"}
+_KINDS: dict[str, SpanKind] = {
+    "agent": "agent", "function": "tool", "generation": "llm", "response": "llm",
+    "handoff": "handoff", "guardrail": "guardrail", "task": "chain", "turn": "chain"}
 log = logging.getLogger(__name__)
 # set while a model served by TracerlModelProvider runs: its generation spans are ours
 _via_provider: contextvars.ContextVar[bool] = contextvars.ContextVar(

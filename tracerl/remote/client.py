@@ -55,6 +55,8 @@ from .wire import API_PREFIX, NDJSON, encode_groups
 T = TypeVar("T")
 RETRY_STATUSES = {502, 503, 504}
 MAX_REREGISTRATIONS = 3
+# what a control-API answer is checked to be: a JSON object or array
+JsonKind = type[dict[str, Any]] | type[list[Any]]
 
 
 class _Retry(Exception):
@@ -187,7 +189,7 @@ class RemoteBackend(Backend):
             raise exception_for(response.status_code, payload)
         return response
 
-    def _answer(self, response: httpx2.Response, kind: type, keys: tuple[str, ...]) -> Any:
+    def _answer(self, response: httpx2.Response, kind: JsonKind, keys: tuple[str, ...]) -> Any:
         """The JSON value of a successful answer, checked to be a ``kind`` with ``keys``."""
         try:
             value = response.json()
@@ -207,7 +209,7 @@ class RemoteBackend(Backend):
         json_body: Any = None,
         content: bytes | None = None,
         headers: dict[str, str] | None = None,
-        answer: type | None = dict,
+        answer: JsonKind | None = dict,
         keys: tuple[str, ...] = (),
     ) -> Any:
         """An idempotent request, retried; re-registers ``model`` if the server forgot it.
@@ -228,7 +230,8 @@ class RemoteBackend(Backend):
             return await self._with_retries(f"{method} {path}", attempt)
 
     def _model_path(self, model: ModelLike) -> str:
-        return f"/models/{model.project}/{model.name}"
+        spec = spec_of(model)
+        return f"/models/{spec.project}/{spec.name}"
 
     def _upload(
         self, params: dict[str, Any], groups: list[TrajectoryGroup]

@@ -7,6 +7,7 @@ import importlib
 import logging
 import signal
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ def parse_base_models(items: list[str]) -> dict[str, str]:
     return out
 
 
-def placement_options(*, replicas: int | None = None, replica_urls: list[str] = (),
+def placement_options(*, replicas: int | None = None, replica_urls: Sequence[str] = (),
                       replicas_per_gpu: int = 1, gpus_per_replica: int = 1,
                       replica_failure: str = "restart", publish_dir: str | None = None,
                       publish_mount: str | None = None) -> dict[str, Any]:
@@ -46,7 +47,7 @@ def placement_options(*, replicas: int | None = None, replica_urls: list[str] = 
 
 
 def serve(*, host: str, port: int, path: str, api_key: str | None, engine: str | None = None,
-          plugins: list[str] = (), base_models: dict[str, str] | None = None,
+          plugins: Sequence[str] = (), base_models: dict[str, str] | None = None,
           max_upload_bytes: int = 256 * 1024 * 1024, max_queued: int = 4,
           heartbeat_s: float = 5.0, allow_engine_args: bool = False,
           placement: dict[str, Any] | None = None) -> int:

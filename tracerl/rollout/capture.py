@@ -33,7 +33,7 @@ from ..core.trajectory import (
 from .gather import DEFAULT_ROLLOUT_TIMEOUT_S, finish_rollout, run_rollout
 
 
-def _require_coroutine(value: Any, where: str) -> None:
+def _require_coroutine(value: object, where: str) -> None:
     if not inspect.iscoroutine(value):
         raise TypeError(f"{where} takes a coroutine (call the rollout function without "
                         f"awaiting it), got {type(value).__name__}")
@@ -45,6 +45,7 @@ async def trajectory(coroutine: Coroutine[Any, Any, object]) -> Trajectory:
     _require_coroutine(coroutine, "trajectory()")
     with Trajectory() as captured:
         await coroutine
+    assert captured.scope is not None  # set by `with Trajectory()`, kept after the block
     return await finish_rollout(captured, captured.scope)
 
 

@@ -15,13 +15,16 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING, Any
 
-import httpx2  # noqa: F401 - openai's transport: imported once, before rollouts start threads
+import httpx2  # openai's transport: imported once, before rollouts start threads
 import openai
 
 from ..core.context import ROLLOUT_HEADER, TAGS_HEADER, current_call_tags, current_rollout
+
+if TYPE_CHECKING:
+    from .model import Model
 
 log = logging.getLogger(__name__)
 CLOSED_KEY = "closed_at"  # set in a rollout's metadata when its calls have been collected
@@ -29,13 +32,13 @@ CLOSED_KEY = "closed_at"  # set in a rollout's metadata when its calls have been
 unattributed_calls: dict[str, int] = {"no_rollout": 0, "rollout_closed": 0}
 
 
-def _unattributed(reason: str, message: str, *args: Any) -> None:
+def _unattributed(reason: str, message: str, *args: object) -> None:
     unattributed_calls[reason] += 1
     if unattributed_calls[reason] in (1, 10, 100, 1000):  # warn, without flooding the log
         log.warning(message + " (%d such calls so far)", *args, unattributed_calls[reason])
 
 
-def _attribute(request: Any, model: Any) -> None:
+def _attribute(request: httpx2.Request, model: Model) -> None:
     tags = current_call_tags()
     if tags:
         request.headers[TAGS_HEADER] = json.dumps(tags, separators=(",", ":"))
@@ -58,11 +61,11 @@ def _attribute(request: Any, model: Any) -> None:
         request.url = request.url.copy_with(path=f"/rollouts/{ctx.rollout_id}{path}")
 
 
-def async_http_client(model: Any, *, aiohttp: bool = False) -> Any:
+def async_http_client(model: Model, *, aiohttp: bool = False) -> httpx2.AsyncClient:
     """An async HTTP client (as openai uses) that attributes requests to the current rollout;
     for frameworks that build their own OpenAI client (LangChain, ...). ``aiohttp``: openai's
     aiohttp transport, for a client that stays in one event loop."""
-    async def hook(request: Any) -> None:
+    async def hook(request: httpx2.Request) -> None:
         _attribute(request, model)
 
     if not aiohttp:
@@ -73,8 +76,8 @@ def async_http_client(model: Any, *, aiohttp: bool = False) -> Any:
                                        transport=CorrectedAiohttpTransport())
 
 
-def sync_http_client(model: Any) -> Any:
-    def hook(request: Any) -> None:
+def sync_http_client(model: Model) -> httpx2.Client:
+    def hook(request: httpx2.Request) -> None:
         _attribute(request, model)
 
     return openai.DefaultHttpxClient(event_hooks={"request": [hook]})
@@ -89,14 +92,15 @@ def _has_aiohttp() -> bool:
     return True
 
 
-async def _close_at_shutdown(client: openai.AsyncOpenAI) -> AsyncIterator[None]:
+async def _close_at_shutdown(client: openai.AsyncOpenAI) -> AsyncGenerator[None, None]:
     try:
         yield
     finally:  # run by the loop's shutdown_asyncgens(), which asyncio.run() calls on exit
         await client.close()
 
 
-def close_with_loop(client: openai.AsyncOpenAI, loop: asyncio.AbstractEventLoop) -> Any:
+def close_with_loop(client: openai.AsyncOpenAI, loop: asyncio.AbstractEventLoop
+                    ) -> AsyncGenerator[None, None]:
     """Make ``client`` close when ``loop`` shuts down its async generators (``asyncio.run``
     does, before closing the loop). Returns the generator: the caller keeps it referenced,
     because the loop holds its async generators weakly."""
@@ -105,28 +109,28 @@ def close_with_loop(client: openai.AsyncOpenAI, loop: asyncio.AbstractEventLoop)
     return closer
 
 
-def loop_client(model: Any, base_url: str, api_key: str, loop: asyncio.AbstractEventLoop,
-                **kwargs: Any) -> tuple[openai.AsyncOpenAI, Any]:
+def loop_client(model: Model, base_url: str, api_key: str, loop: asyncio.AbstractEventLoop,
+                **kwargs: Any) -> tuple[openai.AsyncOpenAI, AsyncGenerator[None, None]]:
     """An async client for use in ``loop`` only, on aiohttp where installed, closed with the
     loop; returns it with the handle to keep (see :func:`close_with_loop`)."""
     client = async_client(model, base_url, api_key, aiohttp=_has_aiohttp(), **kwargs)
     return client, close_with_loop(client, loop)
 
 
-def async_client(model: Any, base_url: str, api_key: str, *, aiohttp: bool = False,
+def async_client(model: Model, base_url: str, api_key: str, *, aiohttp: bool = False,
                  **kwargs: Any) -> openai.AsyncOpenAI:
     kwargs.setdefault("max_retries", 0)  # a retry would record the call twice
     return openai.AsyncOpenAI(base_url=base_url, api_key=api_key,
                               http_client=async_http_client(model, aiohttp=aiohttp), **kwargs)
 
 
-def sync_client(model: Any, base_url: str, api_key: str, **kwargs: Any) -> openai.OpenAI:
+def sync_client(model: Model, base_url: str, api_key: str, **kwargs: Any) -> openai.OpenAI:
     http_client = sync_http_client(model)
     kwargs.setdefault("max_retries", 0)
     return openai.OpenAI(base_url=base_url, api_key=api_key, http_client=http_client, **kwargs)
 
 
-def rollout_headers(model: Any) -> dict[str, str]:
+def rollout_headers(model: Model) -> dict[str, str]:
     """Headers that attribute a request made by other means (a subprocess, another language,
     a proxy) to the current rollout; the rollout then collects ``model``'s records of it."""
     ctx = current_rollout()

@@ -14,7 +14,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from tqdm.auto import tqdm
 
@@ -63,7 +63,7 @@ class GatherContext:
     metric_counts: Counter[str] = field(default_factory=Counter)
     completion_tokens: int = 0
     running: dict[str, RolloutContext] = field(default_factory=dict)  # for the watchdog
-    _bar: Any = None
+    _bar: tqdm[NoReturn] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_exceptions, bool) or self.max_exceptions < 0:
@@ -163,7 +163,7 @@ async def _attach_spans(trajectory: Trajectory, rollout: RolloutContext) -> None
     link_spans_to_calls(trajectory.spans, trajectory.llm_calls)
 
 
-async def finish_rollout(trajectory: Any, rollout: RolloutContext) -> Trajectory:
+async def finish_rollout(trajectory: object, rollout: RolloutContext) -> Trajectory:
     """Validate a rollout's result, stamp it with its rollout id and attach its LLM calls."""
     if not isinstance(trajectory, Trajectory):
         raise TypeError(
@@ -189,7 +189,7 @@ async def run_rollout(
     enter_rollout(rollout)  # this coroutine runs in a task of its own, in a copied context
     gather = _gather_ctx.get()
 
-    async def drive() -> Any:
+    async def drive() -> object:  # a Trajectory, checked by finish_rollout
         return await awaitable
 
     if gather is not None:
@@ -207,7 +207,7 @@ async def run_rollout(
     return await finish_rollout(result, rollout)
 
 
-async def run_as_rollout(fn: Callable[[], Awaitable[Any]]) -> Trajectory:
+async def run_as_rollout(fn: Callable[[], Awaitable[Trajectory]]) -> Trajectory:
     """Run ``fn()`` as a rollout: in the current one (inside gather), else in a new one that is
     finished here (calls and spans attached), so rollout helpers also work on their own."""
     if current_rollout() is not None:
@@ -261,7 +261,7 @@ PendingTrajectoryGroup.run_rollouts = run_group
 
 
 async def _await_group(
-    group: Any, index: int, after_each: AfterEach | None
+    group: Awaitable[TrajectoryGroup], index: int, after_each: AfterEach | None
 ) -> list[TrajectoryGroup]:
     if isinstance(group, PendingTrajectoryGroup):
         result = await run_group(group, group_index=index)
@@ -314,8 +314,8 @@ async def gather_trajectory_groups(
             if tasks:
                 done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
                 for t in done:
-                    if t.exception() is not None:
-                        raise t.exception()  # type: ignore[misc]
+                    if (exc := t.exception()) is not None:
+                        raise exc
         return [g for t in tasks for g in t.result()]
     finally:
         for t in tasks:

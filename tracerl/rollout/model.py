@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import AsyncGenerator, Iterable
 from typing import TYPE_CHECKING, Any
 
 import openai
@@ -32,8 +32,10 @@ log = logging.getLogger(__name__)
 def _as_groups(items: Iterable[Trajectory | BaseException | TrajectoryGroup]
                ) -> list[TrajectoryGroup]:
     items = list(items)
-    if all(isinstance(i, Trajectory | BaseException) for i in items) and items:
-        return [TrajectoryGroup(items)]  # exceptions among them: the group's failed rollouts
+    loose = [i for i in items if isinstance(i, Trajectory | BaseException)]
+    if len(loose) == len(items) and items:
+        return [TrajectoryGroup(loose)]  # exceptions among them: the group's failed rollouts
+    groups = []
     for i, g in enumerate(items):
         if not isinstance(g, TrajectoryGroup):
             raise InvalidTrajectoryError(
@@ -41,7 +43,8 @@ def _as_groups(items: Iterable[Trajectory | BaseException | TrajectoryGroup]
                 "Trajectories). "
                 "Did you forget to await gather_trajectory_groups(...)?"
             )
-    return items
+        groups.append(g)
+    return groups
 
 
 class Model:
@@ -70,10 +73,12 @@ class Model:
         self.inference_base_url = inference_base_url
         self.inference_api_key = inference_api_key
         self.inference_model_name = inference_model_name
-        self._clients: dict[Any, Any] = {}  # sync clients, and async ones made outside a loop
+        # sync clients, and async ones made outside a loop, by their sorted kwargs
+        self._clients: dict[tuple[tuple[str, object], ...], openai.OpenAI] = {}
+        self._async_clients: dict[tuple[tuple[str, object], ...], openai.AsyncOpenAI] = {}
         # (client, its closer: kept referenced, the loop holds it weakly) per event loop
-        self._loop_clients: PerLoop[tuple[openai.AsyncOpenAI, Any]] = PerLoop(
-            usable=lambda entry: not entry[0].is_closed())
+        self._loop_clients: PerLoop[tuple[openai.AsyncOpenAI, AsyncGenerator[None, None]]] = (
+            PerLoop(usable=lambda entry: not entry[0].is_closed()))
 
     @property
     def _internal_config(self) -> dict[str, Any] | None:
@@ -111,6 +116,7 @@ class Model:
             self.inference_api_key = endpoint.api_key
             self.inference_model_name = endpoint.model_name
         self._clients.clear()
+        self._async_clients.clear()
         self._loop_clients.pop_all()
 
     @property
@@ -158,12 +164,14 @@ class Model:
         loop, it uses aiohttp where installed and is closed when the loop shuts down."""
         base_url, api_key = self.endpoint()
         if not _has_loop():  # made outside any loop: an httpx client, usable in any one
-            key = ("async", tuple(sorted(kwargs.items())))
-            if key not in self._clients:
-                self._clients[key] = _client.async_client(self, base_url, api_key, **kwargs)
-            return self._clients[key]
+            key = tuple(sorted(kwargs.items()))
+            if key not in self._async_clients:
+                self._async_clients[key] = _client.async_client(self, base_url, api_key,
+                                                                **kwargs)
+            return self._async_clients[key]
 
-        def make(loop: asyncio.AbstractEventLoop) -> tuple[openai.AsyncOpenAI, Any]:
+        def make(loop: asyncio.AbstractEventLoop
+                 ) -> tuple[openai.AsyncOpenAI, AsyncGenerator[None, None]]:
             return _client.loop_client(self, base_url, api_key, loop, **kwargs)
 
         client, _closer = self._loop_clients.get(make, key=tuple(sorted(kwargs.items())))
@@ -172,7 +180,7 @@ class Model:
     def sync_openai_client(self, **kwargs: Any) -> openai.OpenAI:
         """A sync OpenAI client, for sync agent code; attribution works the same way."""
         base_url, api_key = self.endpoint()
-        key = ("sync", tuple(sorted(kwargs.items())))
+        key = tuple(sorted(kwargs.items()))
         if key not in self._clients:
             self._clients[key] = _client.sync_client(self, base_url, api_key, **kwargs)
         return self._clients[key]

@@ -27,10 +27,11 @@ trained steps under it, for custom loops. ``model.train`` (the synchronous loop)
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar, cast
 
 from ..core.config import TrainConfig
 from ..core.errors import ConfigError, NotRegisteredError
@@ -42,11 +43,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 ScenarioT = TypeVar("ScenarioT")
 ConfigT = TypeVar("ConfigT")
-RolloutFn = Callable[[Any, ScenarioT, ConfigT], Awaitable[TrajectoryGroup]]
-EvalFn = Callable[[Any, int, ConfigT], Awaitable[list[Trajectory | TrajectoryGroup]]]
-_DONE = object()
+RolloutFn = Callable[["TrainableModel", ScenarioT, ConfigT], Awaitable[TrajectoryGroup]]
+EvalFn = Callable[["TrainableModel", int, ConfigT], Awaitable[list[Trajectory | TrajectoryGroup]]]
+
+
+class _Done(enum.Enum):
+    DONE = enum.auto()
+
+
+_DONE = _Done.DONE
 
 
 def group_policy_version(group: TrajectoryGroup, started: int) -> int:
@@ -71,8 +79,9 @@ class TrainedStep:
 class RolloutPipeline(Generic[ScenarioT, ConfigT]):
     """Rollout workers feeding a trainer; iterate :meth:`steps` to drive it."""
 
-    def __init__(self, model: TrainableModel, rollout_fn: RolloutFn, scenarios: Iterable[Any]
-                 | AsyncIterator[Any], config: Any = None, *, groups_per_step: int = 4,
+    def __init__(self, model: TrainableModel, rollout_fn: RolloutFn[ScenarioT, ConfigT],
+                 scenarios: Iterable[ScenarioT] | AsyncIterator[ScenarioT],
+                 config: ConfigT | None = None, *, groups_per_step: int = 4,
                  max_steps_off_policy: int = 4, num_rollout_workers: int | None = None,
                  train_config: TrainConfig | None = None) -> None:
         if groups_per_step < 1:
@@ -101,13 +110,14 @@ class RolloutPipeline(Generic[ScenarioT, ConfigT]):
         self._start = 0
         self._admitted = 0
         self._changed = asyncio.Condition()
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[TrajectoryGroup, int] | Exception | _Done] = (
+            asyncio.Queue())
 
     def _may_start(self) -> bool:
         due = self._start + self._admitted // self.groups_per_step  # the step it will train
         return self._policy >= due - self.max_steps_off_policy
 
-    async def _next_scenario(self, scenarios: AsyncIterator[Any]) -> Any:
+    async def _next_scenario(self, scenarios: AsyncIterator[ScenarioT]) -> ScenarioT | _Done:
         async with self._changed:
             await self._changed.wait_for(self._may_start)
             try:
@@ -117,11 +127,12 @@ class RolloutPipeline(Generic[ScenarioT, ConfigT]):
             self._admitted += 1
             return scenario
 
-    async def _worker(self, scenarios: AsyncIterator[Any]) -> None:
+    async def _worker(self, scenarios: AsyncIterator[ScenarioT]) -> None:
         while (scenario := await self._next_scenario(scenarios)) is not _DONE:
             started = self._policy
             try:
-                group = await self.rollout_fn(self.model, scenario, self.config)
+                # config None (not given): the rollout_fn takes None where it takes a config
+                group = await self.rollout_fn(self.model, scenario, cast(ConfigT, self.config))
             except Exception as e:  # the trainer raises it
                 await self._queue.put(e)
                 return
@@ -178,11 +189,11 @@ class RolloutPipeline(Generic[ScenarioT, ConfigT]):
             await asyncio.gather(*workers, return_exceptions=True)
 
 
-def _aiter(items: Iterable[Any] | AsyncIterator[Any]) -> AsyncIterator[Any]:
+def _aiter(items: Iterable[T] | AsyncIterator[T]) -> AsyncIterator[T]:
     if isinstance(items, AsyncIterator):
         return items
 
-    async def gen() -> AsyncIterator[Any]:
+    async def gen() -> AsyncIterator[T]:
         for item in items:
             yield item
 
@@ -196,9 +207,10 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
     config)`` returns trajectories or groups, logged as the ``val`` split every
     ``eval_every_n_steps`` steps (and before the first if ``eval_at_start``)."""
 
-    def __init__(self, model: TrainableModel, backend: Backend, rollout_fn: RolloutFn,
-                 scenarios: Iterable[Any] | AsyncIterator[Any], config: Any,
-                 eval_fn: EvalFn | None = None, *, groups_per_step: int = 4,
+    def __init__(self, model: TrainableModel, backend: Backend,
+                 rollout_fn: RolloutFn[ScenarioT, ConfigT],
+                 scenarios: Iterable[ScenarioT] | AsyncIterator[ScenarioT], config: ConfigT,
+                 eval_fn: EvalFn[ConfigT] | None = None, *, groups_per_step: int = 4,
                  num_rollout_workers: int | None = None, learning_rate: float = 1e-5,
                  train_config: TrainConfig | None = None, max_steps: int | None = None,
                  max_steps_off_policy: int = 4, eval_every_n_steps: int = 20,
@@ -210,7 +222,7 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
         self.model, self.backend, self.config, self.eval_fn = model, backend, config, eval_fn
         self.max_steps = max_steps
         self.eval_every_n_steps, self.eval_at_start = eval_every_n_steps, eval_at_start
-        self.pipeline = RolloutPipeline(
+        self.pipeline: RolloutPipeline[ScenarioT, ConfigT] = RolloutPipeline(
             model, rollout_fn, scenarios, config, groups_per_step=groups_per_step,
             max_steps_off_policy=max_steps_off_policy, num_rollout_workers=num_rollout_workers,
             train_config=train_config or TrainConfig(learning_rate=learning_rate))

@@ -112,17 +112,17 @@ def parse_judgement(text: str, ids: list[str]) -> dict[str, TrajectoryScore]:
     if not isinstance(entries, list):
         raise ValueError("the judge's answer has no 'scores' list")
     scores: dict[str, TrajectoryScore] = {}
-    for e in entries:
-        if not isinstance(e, dict) or not isinstance(e.get("trajectory_id"), str):
-            raise ValueError(f"score entry without a trajectory_id: {e!r}")
-        tid, score = e["trajectory_id"], e.get("score")
+    for entry in entries:
+        if not isinstance(entry, dict) or not isinstance(entry.get("trajectory_id"), str):
+            raise ValueError(f"score entry without a trajectory_id: {entry!r}")
+        tid, score = entry["trajectory_id"], entry.get("score")
         if tid not in ids:
             raise ValueError(f"the judge scored unknown trajectory id {tid!r}")
         if tid in scores:
             raise ValueError(f"the judge scored {tid!r} twice")
         if isinstance(score, bool) or not isinstance(score, int | float) or not 0 <= score <= 1:
             raise ValueError(f"score of {tid!r} is {score!r}, not a number in [0, 1]")
-        explanation = e.get("explanation")
+        explanation = entry.get("explanation")
         scores[tid] = TrajectoryScore(
             tid, float(score), explanation if isinstance(explanation, str) else ""
         )

@@ -7,15 +7,15 @@ import functools
 import inspect
 import logging
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar, cast
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def retry(max_attempts: int = 3, delay: float = 0.25, backoff_factor: float = 2.0,
-          exceptions: tuple[type[BaseException], ...] = (Exception,),
+          exceptions: tuple[type[Exception], ...] = (Exception,),
           on_retry: Callable[[Exception, int], None] | None = None) -> Callable[[F], F]:
     """Decorate a sync or async function: on one of ``exceptions`` it is called again, up to
     ``max_attempts`` calls in all, ``delay`` seconds after the first failure and
@@ -24,7 +24,7 @@ def retry(max_attempts: int = 3, delay: float = 0.25, backoff_factor: float = 2.
     if max_attempts < 1:
         raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
 
-    def waits() -> Any:
+    def waits() -> Iterator[float]:
         wait = delay
         while True:
             yield wait
@@ -50,7 +50,7 @@ def retry(max_attempts: int = 3, delay: float = 0.25, backoff_factor: float = 2.
                             raise
                         report(fn, e, attempt)
                         await asyncio.sleep(next(pause))
-            return run_async  # type: ignore[return-value]
+            return cast(F, run_async)  # functools.wraps: fn's signature, awaited the same
 
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -63,6 +63,6 @@ def retry(max_attempts: int = 3, delay: float = 0.25, backoff_factor: float = 2.
                         raise
                     report(fn, e, attempt)
                     time.sleep(next(pause))
-        return run  # type: ignore[return-value]
+        return cast(F, run)  # functools.wraps: fn's signature, called the same
 
     return decorate

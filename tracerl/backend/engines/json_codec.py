@@ -14,7 +14,7 @@ from typing import Any
 try:
     import orjson
 except ImportError:  # pragma: no cover - orjson ships with the backend extra
-    orjson = None
+    orjson = None  # type: ignore[assignment]  # absent: the standard library decodes
 
 
 def loads(data: bytes | str) -> Any:

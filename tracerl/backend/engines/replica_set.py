@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ...core import settings
+from ...core.config import EngineConfig
 from ...core.engine import (
     Engine,
     EngineSpec,
@@ -308,7 +309,7 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def replica_devices(config: Any, gpus: int) -> list[tuple[int, ...] | None]:
+def replica_devices(config: EngineConfig, gpus: int) -> list[tuple[int, ...] | None]:
     """Each replica's GPUs: ``gpus // gpus_per_replica`` groups, each shared by
     ``replicas_per_gpu`` servers (the first ``replicas`` of them, if set); without GPUs, or with
     none of the three set, ``replicas`` servers (default 1) placed by vLLM itself."""
@@ -320,7 +321,8 @@ def replica_devices(config: Any, gpus: int) -> list[tuple[int, ...] | None]:
     if per > gpus:
         raise ConfigError(f"gpus_per_replica={per} but only {gpus} GPUs are visible")
     groups = [tuple(range(i, i + per)) for i in range(0, gpus - per + 1, per)]
-    devices = [g for g in groups for _ in range(config.replicas_per_gpu)]
+    devices: list[tuple[int, ...] | None] = [
+        g for g in groups for _ in range(config.replicas_per_gpu)]
     if config.replicas is not None:
         if config.replicas > len(devices):
             raise ConfigError(f"replicas={config.replicas} needs more than the {gpus} visible "

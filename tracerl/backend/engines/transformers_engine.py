@@ -93,7 +93,8 @@ class TransformersEngine(Engine):
         self.tokenizer.padding_side = "left"
         apply_chat_template_override(self.tokenizer, self.spec.config.chat_template)
         model = AutoModelForCausalLM.from_pretrained(self.spec.model_path, dtype=dtype)
-        model.to("cuda" if cuda else "cpu").eval()
+        # (the ignore: functools.wraps on PreTrainedModel.to makes mypy read the device as self)
+        model.to("cuda" if cuda else "cpu").eval()  # type: ignore[arg-type]  # see above
         self.model = model
 
     async def stop(self) -> None:
@@ -181,7 +182,7 @@ class TransformersEngine(Engine):
         while True:
             first = await self._queue.get()
             await asyncio.sleep(BATCH_WINDOW_S)
-            batch, rest = [first], []
+            batch, rest = [first], list[_Job]()
             while not self._queue.empty():
                 job = self._queue.get_nowait()
                 same = (

@@ -161,7 +161,7 @@ class VLLMEngine(Engine):
         the cores its CPU worker binds to (vLLM's CPU build; None: vLLM's own choice)."""
         super().__init__(spec)
         self.devices, self.cpus = devices, cpus
-        self.process: subprocess.Popen | None = None
+        self.process: subprocess.Popen[bytes] | None = None
         self.port: int | None = None
         self.client: aiohttp.ClientSession | None = None
         self._adapters: dict[str, Path] = {}

@@ -33,7 +33,7 @@ class LocalLauncher(Launcher):
     """``python -m torch.distributed.run --nproc-per-node N -m MODULE`` in a process group."""
 
     name = "local"
-    process: subprocess.Popen | None = None
+    process: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
     _log: IO[bytes] | None = None
 

@@ -101,13 +101,13 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
 
 def _tool_choice(raw: Any) -> tuple[Any, bool | None]:
     kind = raw.get("type") if isinstance(raw, dict) else None
-    parallel = None if not raw.get("disable_parallel_tool_use") else False  # type: ignore[union-attr]
+    parallel = None if not raw.get("disable_parallel_tool_use") else False
     if kind in ("auto", "none"):
         return kind, parallel
     if kind == "any":
         return "required", parallel
-    if kind == "tool" and isinstance(raw.get("name"), str):  # type: ignore[union-attr]
-        return {"type": "function", "function": {"name": raw["name"]}}, parallel  # type: ignore[index]
+    if kind == "tool" and isinstance(raw.get("name"), str):
+        return {"type": "function", "function": {"name": raw["name"]}}, parallel
     raise bad("tool_choice must be {type: auto|any|none} or {type: tool, name}", "tool_choice")
 
 

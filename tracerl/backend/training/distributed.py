@@ -19,7 +19,7 @@ import time
 from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
 from queue import Empty, Queue
-from typing import Any
+from typing import Any, cast
 
 from ...core.config import DistributedTrainerConfig, LoraConfig, TrainConfig
 from ...core.errors import ConfigError, RankFailedError, TrainingError
@@ -35,6 +35,11 @@ RANK_MODULE = "tracerl.backend.training.rank"
 # after one rank fails, how long the others get to report (a dead rank's connection closes at
 # once; the survivors fail in their next collective or are stopped by the launcher)
 FAILURE_GRACE_S = 10.0
+
+
+def _ready(conns: list[Connection], timeout: float) -> list[Connection]:
+    """``multiprocessing.connection.wait`` on connections: those of them that are ready."""
+    return cast("list[Connection]", wait(conns, timeout=timeout))  # it returns what it got
 
 
 def make_launcher(config: DistributedTrainerConfig) -> Launcher:
@@ -126,7 +131,7 @@ class DistributedPolicy(Rendering):
         deadline = time.monotonic() + 10
         pending = list(self._conns.values())
         while pending and time.monotonic() < deadline:
-            for conn in wait(pending, timeout=max(0.0, deadline - time.monotonic())):
+            for conn in _ready(pending, max(0.0, deadline - time.monotonic())):
                 pending.remove(conn)
         for conn in self._conns.values():
             conn.close()
@@ -204,7 +209,7 @@ class DistributedPolicy(Rendering):
                     f"trainer ranks {sorted(pending.values())} did not answer {command!r} "
                     f"within {timeout_s:.0f} s (DistributedTrainerConfig.step_timeout_s)",
                     rank=min(pending.values()))
-            for conn in wait(list(pending), timeout=min(0.5, deadline - now)):
+            for conn in _ready(list(pending), min(0.5, deadline - now)):
                 rank = pending.pop(conn)
                 try:
                     status, value = conn.recv()

@@ -165,7 +165,8 @@ class Trainer(Rendering):
         from peft import get_peft_model
         from transformers import AutoModelForCausalLM
 
-        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device)
+        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
+        base = base.to(self.device)  # type: ignore[arg-type]  # wraps() on .to: device as self
         return get_peft_model(base, self._peft_config())
 
     def _load_unsloth(self, model_path: Path) -> Any:  # pragma: no cover - GPU only
