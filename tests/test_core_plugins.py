@@ -352,8 +352,9 @@ def test_one_call_enters_each_module_of_its_path_at_most_twice(plugin_site, tmp_
     paths = json.loads(out.stdout.strip().splitlines()[-1])
     plain = collections.Counter(module for module, _ in paths["plain"])
     assert max(plain.values()) <= 2, paths["plain"]
-    assert [f for _, f in paths["plain"]][-3:] == [
-        "SwapLock.release_read", "CallRecording.finish", "PassThrough.answer"]
+    assert [f for _, f in paths["plain"]][-4:] == [
+        "SwapLock.release_read", "PassThrough.answer", "CallRecording.finish",
+        "Exchange.recorded"]
     stream = collections.Counter(module for module, _ in paths["stream"])
     per_chunk = {"tracerl.backend.protocols.openai", "tracerl.backend.replies"}
     assert all(n <= 2 for m, n in stream.items() if m not in per_chunk), paths["stream"]

@@ -144,8 +144,16 @@ class Gateway:
         finally:
             served.swap.release_read()
         response["model"] = body["model"]
-        try:  # a protocol answers once the record is on disk (a Responses id is kept then)
-            await rec.finish(response)
+        answer = exchange.answer(response)
+        recording = rec.finish(response)
+        # The engine's reply holds containers per choice and token; with 256 calls writing at
+        # once, replies kept alive over the write outlived young collections and made the
+        # cyclic collector's older generations walk them again and again (BENCHMARKS.md, the
+        # c256 tail). The answer is made and the record built first: the reply goes now.
+        del response
+        try:
+            await recording
         except TracerlError as e:  # e.g. a full disk (507): the caller must not train on it
             return error_response(e)
-        return JSONResponse(exchange.answer(response))
+        exchange.recorded()  # e.g. a Responses id may be continued from now on
+        return JSONResponse(answer)

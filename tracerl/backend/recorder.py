@@ -185,6 +185,7 @@ class CallRecording:
                           rollout_id=self.who.rollout_id, model=body.get("model", ""),
                           adapter_step=self.step, latency_s=time.perf_counter() - self.started,
                           streamed=streamed, error=error)
+        del response  # not kept alive over the write (the gateway's comment says why)
         if self.who.tags:
             call.metadata["tags"] = self.who.tags
         if disconnected:

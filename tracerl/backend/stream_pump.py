@@ -111,6 +111,7 @@ async def _pump(served: ServedModel, rec: CallRecording, supervisor: EngineSuper
                 await stream.aclose()  # type: ignore[attr-defined]  # engines return generators
         await rec.finish(assembler.response(), streamed=True, error=error,
                          disconnected=disconnected)
+        exchange.recorded()
     except TracerlError as e:  # e.g. a full disk: the client hears it instead of the end
         final = [exchange.error_event(f"the call was not recorded: {e}", e.code)]
         log.error("streamed call not recorded: %s", e)

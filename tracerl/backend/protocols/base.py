@@ -4,8 +4,10 @@ one :class:`Exchange` per request), and the chat stream reader they share.
 A protocol module declares a :class:`Protocol` subclass; the gateway serves every protocol
 that :mod:`.registry` finds (tracerl's own and those of ``tracerl_protocols`` plugins), each
 route under ``/v1`` and ``/rollouts/{rollout_id}/v1``, and runs every request the same way:
-``exchange = protocol.begin(body)``, the engine call with ``exchange.chat_body``, the record,
-then ``exchange.answer(...)`` (or ``stream_events`` ... ``final_events`` for a stream).
+``exchange = protocol.begin(body)``, the engine call with ``exchange.chat_body``,
+``exchange.answer(...)`` (or ``stream_events`` ... ``final_events`` for a stream), the record,
+then ``exchange.recorded()``; the answer (or the final events) is sent once the record is on
+disk.
 """
 
 from __future__ import annotations
@@ -54,6 +56,10 @@ class Exchange(ABC):
     @abstractmethod
     def final_events(self) -> list[bytes]:
         """The closing events, sent once the record is on disk."""
+
+    def recorded(self) -> None:  # noqa: B027 - optional: most exchanges keep no state
+        """The call's record is on disk (after ``answer`` or ``final_events``): commit what
+        the protocol keeps (Responses stores the conversation for ``previous_response_id``)."""
 
     @abstractmethod
     def error_event(self, message: str, code: str | None = None) -> bytes:

@@ -191,6 +191,7 @@ class ResponsesExchange(Exchange):
         self._seq = 0
         self._items: list[dict[str, Any]] = []  # output items as they stream
         self._open: dict[str, Any] | None = None  # the item being streamed
+        self._turn: dict[str, Any] | None = None  # the answer's turn, to store once recorded
 
     # --- the response object -------------------------------------------------------------
 
@@ -232,12 +233,15 @@ class ResponsesExchange(Exchange):
                 "status": status, "call_id": call_id, "name": name, "arguments": arguments}
 
     def _remember(self, content: str | None, calls: list[dict[str, Any]]) -> None:
-        if not self._store_on:
-            return
+        """Keep the answer's turn, stored once the call is recorded (:meth:`recorded`)."""
         turn: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             turn["tool_calls"] = calls
-        self.store.put(self.model_key, self.id, [*self.conversation, turn])
+        self._turn = turn
+
+    def recorded(self) -> None:
+        if self._store_on and self._turn is not None:
+            self.store.put(self.model_key, self.id, [*self.conversation, self._turn])
 
     def answer(self, chat_response: dict[str, Any]) -> dict[str, Any]:
         choice = only_choice(chat_response)
