@@ -155,7 +155,7 @@ class CallStore:
         return [LLMCall.model_validate(r) for r in records]
 
 
-@dataclass
+@dataclass(slots=True)
 class CallRecording:
     """One call being recorded, from the engine request to the record on disk."""
 
