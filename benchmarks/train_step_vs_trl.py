@@ -114,8 +114,9 @@ def main() -> None:
                     help="print the top kernels of one step of each side (torch.profiler)")
     args = ap.parse_args()
 
-    import trl
-    from datasets import Dataset
+    if not args.no_trl:  # a process that times tracerl alone imports no TRL, as tracerl doesn't
+        import trl
+        from datasets import Dataset
 
     from tracerl import LoraConfig, TrainConfig
     from tracerl.backend.training.rows import Row
@@ -146,15 +147,16 @@ def main() -> None:
                 advantage=float(adv[b])) for b in range(B)]
     batches = micro_batches(rows, cfg.micro_batch_tokens)
 
-    targs = trl.GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=B,
-                           num_generations=B, loss_type="bnpo", beta=0.0, report_to=[],
-                           bf16=device.type == "cuda", use_cpu=device.type == "cpu",
-                           max_completion_length=C)
-    tt = trl.GRPOTrainer(model=model,
-                         reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
-                         args=targs, train_dataset=Dataset.from_list([{"prompt": "x"}] * B),
-                         processing_class=ours.tokenizer)
-    tt.current_gradient_accumulation_steps = 1
+    if not args.no_trl:
+        targs = trl.GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=B,
+                               num_generations=B, loss_type="bnpo", beta=0.0, report_to=[],
+                               bf16=device.type == "cuda", use_cpu=device.type == "cpu",
+                               max_completion_length=C)
+        tt = trl.GRPOTrainer(model=model,
+                             reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+                             args=targs, train_dataset=Dataset.from_list([{"prompt": "x"}] * B),
+                             processing_class=ours.tokenizer)
+        tt.current_gradient_accumulation_steps = 1
     inputs = {k: v.to(device) for k, v in {
         "prompt_ids": prompt, "prompt_mask": torch.ones_like(prompt), "completion_ids": completion,
         "completion_mask": torch.ones_like(completion), "advantages": adv,

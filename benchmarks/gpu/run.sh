@@ -18,7 +18,8 @@ cp "$KIT"/part* /tmp/vk/ 2>/dev/null || true
 export PYTHONPATH=$PWD:$PWD/benchmarks:/tmp/tsite PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
   TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/trainlogs
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
+nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.max.sm --format=csv,noheader
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 for cfg in ${@:-qwen2.5-0.5b:32 qwen2.5-1.5b:32}; do
   shape=${cfg%%:*} batch=${cfg##*:}
   echo "$(date +%T) $shape b$batch"
