@@ -15,6 +15,16 @@ machine).
     # on a GPU, a random-initialised model of a real shape (values do not change speed):
     python benchmarks/rollout_throughput.py --random-init qwen2.5-0.5b --tokenizer TOKDIR \
         --concurrency 16 64 256 --max-tokens 256
+
+``--gateway-variants url uvloop httptools groupfsync`` adds, in the same process and the same
+alternating waves (the order of the paths rotates each round), one more gateway per variant,
+each on its own thread and port and routing to the same vLLM server through ``replica_urls``:
+``url`` is the control (the default gateway reaching the server as an existing URL), ``uvloop``
+runs that gateway's loop on uvloop, ``httptools`` serves it with uvicorn's httptools parser
+instead of tracerl's bounded h11 protocol (no head/write deadlines: a benchmark variant only),
+``groupfsync`` makes its records durable with one ``syncfs`` per batch of records from one
+writer thread (a prototype of group commit; every caller still waits until its record is on
+disk). Each variant is compared with the direct path and with ``url`` wave by wave.
 """
 
 from __future__ import annotations
@@ -22,16 +32,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import json
 import os
 import platform
+import queue
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from unittest import mock
 
 import aiohttp
 import httpx2
@@ -39,7 +53,8 @@ from pyspy import start_profile, top_frames
 
 import tracerl
 from tracerl.backend.engines.vllm_engine import engine_connector, vllm_python
-from tracerl.backend.recorder import inject_training_fields
+from tracerl.backend.local import freeze_long_lived_objects
+from tracerl.backend.recorder import CallStore, inject_training_fields
 
 Post = Callable[[str, dict, dict], Awaitable[dict]]
 
@@ -67,15 +82,123 @@ async def client_for(kind: str, concurrency: int) -> AsyncIterator[Post]:
             yield post
 
 
+GATEWAY_VARIANTS = ("url", "uvloop", "httptools", "groupfsync")
+
+
+class GroupCommitCallStore(CallStore):
+    """Prototype: callers hand their record to one writer thread and wait; the writer appends
+    every record waiting (no fsync each) and then makes the whole batch durable with one
+    ``syncfs(2)`` of the records' filesystem before releasing the callers."""
+
+    def __init__(self, divert: Callable | None = None) -> None:
+        super().__init__(divert)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self.batch_sizes: list[int] = []
+        threading.Thread(target=self._writer, name="tracerl-group-commit", daemon=True).start()
+
+    def add(self, store, call) -> None:
+        rid = call.rollout_id
+        path = store.calls_path(rid) if rid is not None else store.unattributed_calls_path
+        if rid is not None and self.divert is not None:
+            path = self.divert(store, rid) or path
+        item = [path, call.json_line() + b"\n", threading.Event(), None]
+        self._queue.put(item)
+        item[2].wait()
+        if item[3] is not None:
+            raise item[3]
+
+    def _writer(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            while True:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            error, fd = None, None
+            try:
+                for path, line, _, _ in batch:
+                    with self._file_lock(path):
+                        try:
+                            f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                        except FileNotFoundError:
+                            path.parent.mkdir(parents=True, exist_ok=True)
+                            f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                        try:
+                            written = 0
+                            while written < len(line):
+                                written += os.write(f, line[written:])
+                        finally:
+                            if fd is None:
+                                fd = f
+                            else:
+                                os.close(f)
+                if self._libc.syncfs(fd) != 0:
+                    errno = ctypes.get_errno()
+                    raise OSError(errno, os.strerror(errno))
+            except OSError as e:
+                error = e
+            finally:
+                if fd is not None:
+                    os.close(fd)
+            self.batch_sizes.append(len(batch))
+            for item in batch:
+                item[3] = error
+                item[2].set()
+
+
+@contextlib.contextmanager
+def gateway_variant(kind: str) -> Iterator[None]:
+    """What differs while the variant's gateway thread is created."""
+    if kind == "uvloop":
+        import uvloop
+
+        with mock.patch("asyncio.new_event_loop", uvloop.new_event_loop):
+            yield
+    elif kind == "httptools":
+        from tracerl.backend import http_limits
+
+        options = http_limits.uvicorn_options
+        with mock.patch.object(http_limits, "uvicorn_options",
+                               lambda: {**options(), "http": "httptools"}):
+            yield
+    else:
+        yield
+
+
+async def variant_gateway(kind: str, server_url: str, base_model: str,
+                          engine_config: dict) -> tuple:
+    """A second gateway in this process, with ``kind``'s change, in front of ``server_url``."""
+    from tracerl.backend.engines.url_engine import URLEngine
+    from tracerl.backend.engines.vllm_engine import POOL_KEEP_ALIVE_S
+
+    backend = tracerl.LocalBackend(path=tempfile.mkdtemp(), engine="vllm")
+    with gateway_variant(kind):
+        backend._gateway()  # its thread and loop, created now
+    if kind == "groupfsync":
+        backend.gateway.calls = GroupCommitCallStore(divert=backend.gateway.calls.divert)
+    model = tracerl.TrainableModel(
+        name=f"bench-{kind}", project="bench", base_model=base_model,
+        config=tracerl.ModelConfig(engine=tracerl.EngineConfig(
+            **engine_config, replica_urls=[server_url])))
+    # the same idle-connection lifetime as the gateway that started the server
+    with mock.patch.object(URLEngine, "connect",
+                           lambda self, keepalive_s=POOL_KEEP_ALIVE_S:
+                           super(URLEngine, self).connect(keepalive_s)):
+        await model.register(backend)
+    return backend, model
+
+
 async def measure(concurrencies: list[int], max_tokens: int, waves: int, base_model: str,
                   vllm_args: list[str], client: str, profile: Path | None = None,
-                  replicas: int = 1) -> list[dict]:
+                  replicas: int = 1, variants: tuple[str, ...] = ()) -> list[dict]:
     backend = tracerl.LocalBackend(path=tempfile.mkdtemp(), engine="vllm")
+    engine_config = dict(max_num_seqs=max(concurrencies), max_model_len=max(512, max_tokens + 128))
     model = tracerl.TrainableModel(
         name="bench", project="bench", base_model=base_model,
         config=tracerl.ModelConfig(engine=tracerl.EngineConfig(
-            max_num_seqs=max(concurrencies), max_model_len=max(512, max_tokens + 128),
-            extra_args=vllm_args, replicas=replicas if replicas > 1 else None,
+            **engine_config, extra_args=vllm_args, replicas=replicas if replicas > 1 else None,
             replicas_per_gpu=replicas)))
     started = time.perf_counter()
     await model.register(backend)
@@ -85,11 +208,21 @@ async def measure(concurrencies: list[int], max_tokens: int, waves: int, base_mo
         engine = engine.replicas[0].engine
     body = {"max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True}
     results = []
+    others = {}  # variant -> (backend, model)
     try:
+        for kind in variants:
+            others[kind] = await variant_gateway(kind, engine.base_url, base_model, engine_config)
+        if variants:
+            freeze_long_lived_objects()
         async with client_for(client, max(concurrencies)) as post:
-            async def one(i: int, via_gateway: bool) -> int:
+            async def one(i: int, via_gateway: bool | str) -> int:
                 messages = [{"role": "user", "content": f"Write a story about the number {i}."}]
-                if via_gateway:
+                if isinstance(via_gateway, str):  # a variant gateway
+                    m = others[via_gateway][1]
+                    reply = await post(f"{m.inference_base_url}/chat/completions",
+                                       {**body, "messages": messages, "model": m.name},
+                                       {"x-rollout-id": f"ro-{i}"})
+                elif via_gateway:
                     reply = await post(f"{model.inference_base_url}/chat/completions",
                                        {**body, "messages": messages, "model": model.name},
                                        {"x-rollout-id": f"ro-{i}"})
@@ -100,9 +233,9 @@ async def measure(concurrencies: list[int], max_tokens: int, waves: int, base_mo
                                            "model": engine.spec.served_name}), {})
                 return reply["usage"]["completion_tokens"]
 
-            cpu_ms: dict[bool, list[float]] = {False: [], True: []}
+            cpu_ms: dict = {False: [], True: [], **{k: [] for k in variants}}
 
-            async def wave(first: int, concurrency: int, via_gateway: bool) -> float:
+            async def wave(first: int, concurrency: int, via_gateway: bool | str) -> float:
                 start, cpu = time.perf_counter(), time.process_time()
                 tokens = await asyncio.gather(*(one(first + i, via_gateway)
                                                 for i in range(concurrency)))
@@ -114,9 +247,23 @@ async def measure(concurrencies: list[int], max_tokens: int, waves: int, base_mo
             next_id = 0
             for concurrency in concurrencies:
                 direct, gateway = [], []
-                cpu_ms[False].clear()
-                cpu_ms[True].clear()
+                for v in cpu_ms.values():
+                    v.clear()
+                variant_waves: dict[str, list[float]] = {k: [] for k in variants}
                 for w in range(waves + 1):  # wave 0 warms up both paths
+                    if variants:  # every path in turn, the order rotating each round
+                        paths = [False, True, *variants]
+                        paths = paths[w % len(paths):] + paths[:w % len(paths)]
+                        got = {}
+                        for path in paths:
+                            got[path] = await wave(next_id, concurrency, path)
+                        if w:
+                            direct.append(got[False])
+                            gateway.append(got[True])
+                            for k in variants:
+                                variant_waves[k].append(got[k])
+                        next_id += concurrency
+                        continue
                     d = await wave(next_id, concurrency, False)
                     spy = None
                     if profile and w == waves and concurrency == max(concurrencies):
@@ -142,10 +289,32 @@ async def measure(concurrencies: list[int], max_tokens: int, waves: int, base_mo
                     "direct_tokens_per_s": d, "gateway_tokens_per_s": g,
                     "ratio_gateway_over_direct": g / d, "direct_waves": direct,
                     "gateway_waves": gateway, "calls_recorded_for_one_rollout": recorded,
+                    "ratio_per_wave": [b / a for a, b in zip(direct, gateway, strict=True)],
                     "client_cpu_ms_per_call": cpu_direct,
                     "gateway_cpu_ms_per_call": cpu_gateway - cpu_direct})
+                for k in variants:
+                    vb, vm = others[k]
+                    vw = variant_waves[k]
+                    row = {"tokens_per_s": statistics.median(vw), "waves": vw,
+                           "ratio_over_direct_per_wave": [
+                               b / a for a, b in zip(direct, vw, strict=True)],
+                           "gateway_cpu_ms_per_call":
+                               statistics.median(cpu_ms[k][1:]) - cpu_direct,
+                           "calls_recorded_for_one_rollout": len(vb.gateway.calls.take(
+                               vb.store(vm), f"ro-{next_id - 1}"))}
+                    row["ratio_over_direct"] = statistics.median(row["ratio_over_direct_per_wave"])
+                    if "url" in variants and k != "url":
+                        row["ratio_over_url_per_wave"] = [
+                            b / a for a, b in zip(variant_waves["url"], vw, strict=True)]
+                        row["ratio_over_url"] = statistics.median(row["ratio_over_url_per_wave"])
+                    if k == "groupfsync":
+                        sizes = vb.gateway.calls.batch_sizes
+                        row["records_per_sync_mean"] = sum(sizes) / max(1, len(sizes))
+                    results[-1].setdefault("variants", {})[k] = row
                 print(json.dumps(results[-1]), flush=True)
     finally:
+        for vb, _ in others.values():
+            await vb.close()
         await backend.close()
     return results
 
@@ -185,6 +354,8 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=1,
                     help="the gateway routes to a replica set of this many servers on the GPU; "
                     "the direct path calls one of them")
+    ap.add_argument("--gateway-variants", nargs="*", default=[], choices=GATEWAY_VARIANTS,
+                    help="more gateways in the same waves (module docstring)")
     ap.add_argument("--json")
     args = ap.parse_args()
     base_model = args.base_model
@@ -194,7 +365,8 @@ def main() -> None:
         base_model = served_random_model(args.random_init, args.tokenizer)
     rows = asyncio.run(measure(args.concurrency, args.max_tokens, args.waves, base_model,
                                args.vllm_arg, args.client,
-                               Path(args.profile) if args.profile else None, args.replicas))
+                               Path(args.profile) if args.profile else None, args.replicas,
+                               tuple(args.gateway_variants)))
     result = {"model": args.random_init or args.base_model, "client": args.client,
               "replicas": args.replicas,
               **environment(), "results": rows}

@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
-# On the GPU machine, device call 2 of the vLLM kit (carry [".vllm2"]; call 1 copied
-# .vllm1/part00 to /tmp/vk): install vLLM and its imports into /tmp/site, then run
+# On the GPU machine, the last call of the vLLM kit (carry [".vllm2"]; the calls before copied
+# the tarball's first parts to /tmp/vk: .vllm1/part*, and .whl/part00 with fetch_kit.sh's
+# layout): install vLLM and its imports into /tmp/site, then run
 # benchmarks/rollout_throughput.py (gateway vs vLLM alone) on random-initialised models.
 #   bash benchmarks/gpu/vllm_run.sh [smollm2-135m:16,64,256 qwen2.5-0.5b:64,256 loop loop-7b
 #                                    adapter-smollm2-135m:64,256 async-qwen2.5-1.5b]
 # env: WAVES (default 3), PROFILE=1 (py-spy: the gateway process / vLLM's engine core),
 #      VLLM_ARGS (extra benchmark flags, e.g. "--vllm-arg=--max-loras=1"),
-#      REPLICAS=K (rollout jobs: the gateway over K servers on the GPU vs one of them directly)
+#      REPLICAS=K (rollout jobs: the gateway over K servers on the GPU vs one of them directly),
+#      GATEWAY_VARIANTS="url uvloop httptools groupfsync" (rollout jobs: more gateways in the
+#      same waves, rollout_throughput.py's docstring)
 set -euo pipefail
-test -f /tmp/vk/part00 || { echo "call 1 did not run on this machine (cold start?)"; exit 3; }
+ls /tmp/vk/part* >/dev/null 2>&1 || { echo "the tarball's first parts are not in /tmp/vk (cold start?)"; exit 3; }
 mkdir -p /tmp/site
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .vllm2/*.whl
-cat /tmp/vk/part00 .vllm2/part01 | python3 -c \
+cat /tmp/vk/part* .vllm2/part* | python3 -c \
   "import sys, tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/site', filter='fully_trusted')"
 # vLLM runs in its own process; tracerl's engine drops PYTHONPATH for it, so point
 # TRACERL_VLLM_PYTHON at an interpreter that brings /tmp/site along.
@@ -27,6 +30,7 @@ run_rollouts() {  # SHAPE:C1,C2...
   timeout ${ROLLOUT_TIMEOUT_S:-280} python3 benchmarks/rollout_throughput.py --random-init "$shape" --tokenizer .vllm2/tok \
     --concurrency ${conc//,/ } --max-tokens 256 --waves ${WAVES:-3} --json "$OUT/rollout-$shape.json" \
     ${PROFILE:+--profile "$OUT"} --replicas ${REPLICAS:-1} ${VLLM_ARGS:-} \
+    ${GATEWAY_VARIANTS:+--gateway-variants $GATEWAY_VARIANTS} \
     > "$OUT/rollout-$shape.log" 2>&1 || { echo "FAILED $shape"; tail -40 "$OUT/rollout-$shape.log"; }
   grep -E '^\{"concurrency"' "$OUT/rollout-$shape.log" || true
 }
