@@ -177,7 +177,7 @@ async def variant_gateway(kind: str, server_url: str, base_model: str,
     with gateway_variant(kind):
         backend._gateway()  # its thread and loop, created now
     if kind == "groupfsync":
-        backend.gateway.calls = GroupCommitCallStore(divert=backend.gateway.calls.divert)
+        backend.gateway.recorder.calls = GroupCommitCallStore(divert=backend.gateway.calls.divert)
     model = tracerl.TrainableModel(
         name=f"bench-{kind}", project="bench", base_model=base_model,
         config=tracerl.ModelConfig(engine=tracerl.EngineConfig(
