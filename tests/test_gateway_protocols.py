@@ -4,12 +4,15 @@ and the record on disk before the final event, against the real gateway and Smol
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
 
 import tracerl
 from tracerl.backend.engines.tool_parsers import content_before_tool_calls, parse_hermes
+from tracerl.backend.protocols.openai import Completions
+from tracerl.backend.protocols.registry import check_protocol
 from tracerl.backend.protocols.responses import ResponseStore
 
 QUESTION = "Say hello."
@@ -180,3 +183,25 @@ def test_tool_call_turns_stream_their_content_without_markup(text: str) -> None:
     deltas = content_before_tool_calls(pieces, content)
     assert len(deltas) == len(pieces) and "".join(deltas) == content
     assert not any("<" in d for d in deltas)
+
+
+class _Streamless(Completions):
+    name = "streamless"
+    routes = ("/streamless",)
+
+
+@pytest.mark.parametrize(("cls", "owner", "refused"), [
+    (dict, {}, "is not a tracerl.backend.protocols.base.Protocol subclass"),
+    (type("Streaming", (_Streamless,), {"streams": True}), {}, "set streams = False"),
+    (_Streamless, {"/streamless": "other"}, "is also served by 'other'"),
+    (type("Relative", (_Streamless,), {"routes": ("plain",)}), {}, "must start with '/'"),
+], ids=["not-a-protocol", "completions-that-streams", "route-taken", "relative-route"])
+def test_a_protocol_the_gateway_cannot_serve_is_refused_by_name(cls, owner, refused):
+    with pytest.raises(tracerl.PluginError, match=rf"protocol 'p'.*{re.escape(refused)}"):
+        check_protocol("p", cls, owner)
+
+
+def test_a_servable_protocol_claims_its_routes():
+    owner: dict[str, str] = {}
+    assert check_protocol("p", _Streamless, owner) is _Streamless and owner == {
+        "/streamless": "p"}

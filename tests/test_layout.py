@@ -31,6 +31,7 @@ ALLOWED = {
 COMPAT_ALIASES = {
     "tracerl.core.hookspecs": "tracerl.events.hookspecs",
     "tracerl.core.plugins": "tracerl.events.plugins",
+    "tracerl.core.lifecycle": "tracerl.events.lifecycle",
 }
 
 
@@ -227,6 +228,8 @@ PUBLIC_NAMES = {
     "tracerl.integrations.litellm_proxy": "LiteLLMProxy",
     "tracerl.core.hookspecs": "HOOKSPEC_VERSION hookimpl hookspec",
     "tracerl.core.plugins": "get_plugin_manager hook_reference list_plugins register",
+    "tracerl.core.lifecycle": "llm_call_recorded rollout_started score_group step_logged "
+                              "train_event trajectory_finished",
 }
 
 

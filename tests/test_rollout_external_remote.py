@@ -64,7 +64,8 @@ async def test_spans_posted_to_the_server_come_back_to_a_remote_trainer(remote, 
 
 @pytest.mark.parametrize("n_groups", [None, 0, "2", True, 1.5])
 def test_a_take_without_a_whole_number_of_groups_is_a_400_naming_it(remote, server, n_groups):
-    """Before: a missing ``n_groups`` reached the rollout store as None (a 500)."""
+    """The control API's take (what ``RemoteBackend`` calls) refuses it before anything is
+    taken."""
     body = {"request_id": "take-bad-n", **({} if n_groups is None else {"n_groups": n_groups})}
     r = httpx2.post(f"{server.url}/api/v1/models/tests/ext-remote/external/take", json=body,
                     headers={"authorization": f"Bearer {API_KEY}"}, timeout=30)

@@ -50,7 +50,6 @@ class Gateway:
     """The gateway's state (served models, protocols, recorder, engine supervision) and app."""
 
     def __init__(self, api_key: str | None = None, restart_grace_s: float = 30.0) -> None:
-        self.api_key = api_key
         self.check_auth = bearer_key_check(api_key)
         self.models = ModelTable()
         self.rollouts = ExternalRollouts(self.models)  # the rollout API for outside services
@@ -149,7 +148,8 @@ class Gateway:
         # The engine's reply holds containers per choice and token; with 256 calls writing at
         # once, replies kept alive over the write outlived young collections and made the
         # cyclic collector's older generations walk them again and again (BENCHMARKS.md, the
-        # c256 tail). The answer is made and the record built first: the reply goes now.
+        # c256 tail). The answer is made; our reference goes, so that finish() lets the reply go
+        # once the record is built, before the write.
         del response
         try:
             await recording

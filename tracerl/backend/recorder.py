@@ -23,8 +23,14 @@ from ..core.storage import ModelStore, append_jsonl, read_jsonl
 from ..core.trajectory import CompletionRecord, LLMCall
 from ..events.lifecycle import llm_call_recorded
 from .protocols.base import Endpoint, Exchange
-from .protocols.openai import caller_wants_logprobs, strip_for_caller
-from .replies import SAMPLED_LOGPROBS, StreamAssembler, drop_logprob_entries, sampled_logprobs
+from .replies import (
+    SAMPLED_LOGPROBS,
+    StreamAssembler,
+    caller_wants_logprobs,
+    drop_logprob_entries,
+    sampled_logprobs,
+    strip_for_caller,
+)
 
 if TYPE_CHECKING:
     from .request_validation import Attribution
@@ -44,9 +50,13 @@ __all__ = [
 ]
 
 
-def inject_training_fields(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
-    """The request the engine gets: the caller's, plus logprobs and token ids."""
+def inject_training_fields(endpoint: str, body: dict[str, Any], model: str | None = None
+                           ) -> dict[str, Any]:
+    """The request the engine gets: the caller's (a copy; ``model``: the engine's model name in
+    it), plus logprobs and token ids."""
     out = dict(body)
+    if model is not None:
+        out["model"] = model
     out["return_token_ids"] = True
     if endpoint == "chat.completions":
         out["logprobs"] = True
@@ -219,7 +229,6 @@ class Recorder:
               route: CallRoute) -> CallRecording:
         """Start recording a call that ``engine_model`` answers: its engine request is
         ``rec.engine_body``; latency counts from now."""
-        engine_body = inject_training_fields(endpoint, {**exchange.chat_body,
-                                                        "model": engine_model})
+        engine_body = inject_training_fields(endpoint, exchange.chat_body, engine_model)
         return CallRecording(self.calls, store, endpoint, exchange, who, step, route,
                              engine_body)

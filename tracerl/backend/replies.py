@@ -1,10 +1,45 @@
-"""Engine replies in the shape records need: a stream's chunks assembled into one reply, and
-the per-token logprob entries of a caller that did not ask for them reduced to the sampled
+"""Engine replies in the shapes callers and records need: a stream's chunks assembled into one
+reply, what the gateway injected for training (logprobs, token ids) stripped from what a caller
+did not ask for, and the per-token logprob entries of such a caller reduced to the sampled
 tokens' values (a dict and two lists per token, dropped as soon as a reply is decoded)."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
+
+
+def caller_wants_logprobs(endpoint: str, caller_body: dict[str, Any]) -> bool:
+    """Whether the caller itself asked for logprobs (the gateway always asks the engine)."""
+    if endpoint == "completions":  # logprobs=0 asks for the sampled token's logprob
+        return caller_body.get("logprobs") is not None
+    return bool(caller_body.get("logprobs"))
+
+
+def strip_for_caller(
+    endpoint: str, caller_body: dict[str, Any], payload: dict[str, Any]
+) -> dict[str, Any]:
+    """Remove what the caller did not ask for from a response or stream chunk."""
+    want_ids = bool(caller_body.get("return_token_ids"))
+    want_logprobs = caller_wants_logprobs(endpoint, caller_body)
+    if want_logprobs and want_ids:
+        return payload
+    out = copy.copy(payload)
+    if not want_ids:
+        out.pop("prompt_token_ids", None)
+    choices = []
+    for c in out.get("choices") or []:
+        c = dict(c)
+        if not want_ids:
+            c.pop("token_ids", None)
+            c.pop("prompt_token_ids", None)
+        if not want_logprobs and "logprobs" in c:
+            c["logprobs"] = None
+        choices.append(c)
+    if "choices" in out:
+        out["choices"] = choices
+    return out
+
 
 SAMPLED_LOGPROBS = "tracerl_sampled_logprobs"
 

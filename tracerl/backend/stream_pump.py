@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -68,17 +69,19 @@ async def _pump(served: ServedModel, rec: CallRecording, supervisor: EngineSuper
                 first: asyncio.Future[EngineError | None]) -> None:
     exchange = rec.exchange
     assembler = StreamAssembler(keep_entries=exchange.keeps_logprob_entries)
-    stream = served.engine.chat_stream(rec.engine_body)
+    stream: AsyncIterator[dict[str, Any]] | None = None
     error: str | None = None
     sent = 0
     disconnected = False
     final: list[bytes] = []  # sent once the record is on disk
     try:
-        try:
+        try:  # an engine may refuse in chat_stream itself (a plain def) or at its first chunk
+            stream = served.engine.chat_stream(rec.engine_body)
             async with asyncio.timeout_at(deadline):
                 chunk = await anext(stream, None)
         except (EngineError, TimeoutError) as e:  # before generating: nothing to record
-            first.set_result(supervisor.failure(e, served.engine, served.timeout_s))
+            first.set_result(supervisor.failure(e, served.engine, served.timeout_s,
+                                                starting_stream=True))
             return
         first.set_result(None)
         async with asyncio.timeout_at(deadline):
@@ -108,7 +111,7 @@ async def _pump(served: ServedModel, rec: CallRecording, supervisor: EngineSuper
     try:
         with contextlib.suppress(Exception):  # closing vLLM's stream aborts its request
             async with asyncio.timeout(STREAM_CLOSE_TIMEOUT_S):
-                await stream.aclose()  # type: ignore[attr-defined]  # engines return generators
+                await stream.aclose()  # type: ignore[union-attr]  # engines return generators
         await rec.finish(assembler.response(), streamed=True, error=error,
                          disconnected=disconnected)
         exchange.recorded()

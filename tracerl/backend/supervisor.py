@@ -21,20 +21,25 @@ class EngineSupervisor:
         self.restart_grace_s = restart_grace_s
         self._restarts: dict[int, asyncio.Task[None]] = {}
 
-    def failure(self, e: BaseException, engine: Engine, timeout_s: float) -> EngineError:
+    def failure(self, e: BaseException, engine: Engine, timeout_s: float, *,
+                starting_stream: bool = False) -> EngineError:
         """The error to answer for an engine call that raised ``e`` (an engine error or the
-        call's deadline): a refused request is the caller's (4xx, the engine is fine); anything
-        else schedules a restart check and answers 504 (deadline) or 503."""
+        call's deadline; ``starting_stream``: before a stream's first chunk): a refused
+        request is the caller's (4xx, the engine is fine); anything else schedules a restart
+        check (:meth:`schedule_restart`) and answers 504 (deadline) or 503."""
         if isinstance(e, EngineRequestError):
             return e
         self.schedule_restart(engine)
-        if isinstance(e, TimeoutError | EngineTimeoutError):
+        if isinstance(e, TimeoutError):  # the call's deadline, or EngineTimeoutError
+            if starting_stream:
+                return EngineTimeoutError(
+                    f"the engine did not start the stream within {timeout_s} s")
             return EngineTimeoutError(
                 f"the engine did not answer within {timeout_s} s: set max_tokens (without it the "
                 "engine may generate up to the context length) or raise "
                 "EngineConfig(request_timeout_s=...)")
-        return EngineUnavailableError(
-            f"the inference engine is unavailable and is being restarted: {e}")
+        return EngineUnavailableError(f"the inference engine is unavailable (a restart check "
+                                      f"is scheduled): {e}")
 
     def schedule_restart(self, engine: Engine) -> None:
         task = self._restarts.get(id(engine))

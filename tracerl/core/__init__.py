@@ -23,7 +23,8 @@ Contracts:
 - ``backend.py``: the ``Backend`` contract and its ``TrainEvent`` stream.
 - ``engine.py``: the ``Engine`` contract (and its errors).
 - ``launcher.py``: the ``Launcher`` contract: where distributed trainer ranks and replicas run.
-- ``hookspecs.py``, ``plugins.py``: the old import paths of :mod:`tracerl.events`' modules
-  (plugin hooks and the plugin manager), kept for plugins written before; core fires no hook.
+- ``hookspecs.py``, ``plugins.py``, ``lifecycle.py``: the old import paths of
+  :mod:`tracerl.events`' modules (plugin hooks, the plugin manager, where hooks fire), kept for
+  code written before; core itself fires no hook.
 - ``art_compat.py``: OpenPipe ART compatibility: every ART-only behaviour, listed.
 """

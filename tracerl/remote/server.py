@@ -204,11 +204,9 @@ class ControlServer:
         @router.post("/models/{project}/{name}/external/take")
         async def take_external(project: str, name: str, request: Request) -> Response:
             model, body = self.model(project, name), await self._json(request)
-            n_groups = body.get("n_groups")
-            if not isinstance(n_groups, int) or isinstance(n_groups, bool) or n_groups < 1:
-                raise ConfigError(f"n_groups must be an integer >= 1, got {n_groups!r}")
-            groups = await self.backend.take_external_groups(
-                model, n_groups, validate_name("request id", body.get("request_id")))
+            groups = await self.backend.take_external_groups(  # n_groups: checked by the store
+                model, body.get("n_groups", 0),
+                validate_name("request id", body.get("request_id")))
             return Response(group_lines(groups), media_type=NDJSON)
 
         @router.get("/models/{project}/{name}/external/status")

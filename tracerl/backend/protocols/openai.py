@@ -1,48 +1,17 @@
 """OpenAI's chat completions (``/v1/chat/completions``) and completions (``/v1/completions``):
 the engine's own request shapes, passed through; what the gateway injects for training
-(logprobs, token ids) is removed again from the answer unless the caller asked for it."""
+(logprobs, token ids) is removed again from the answer unless the caller asked for it
+(:func:`~tracerl.backend.replies.strip_for_caller`)."""
 
 from __future__ import annotations
 
-import copy
 import json
 from typing import Any
 
+from ..replies import caller_wants_logprobs, strip_for_caller
 from .base import Endpoint, Exchange, Protocol
 
 DONE = b"data: [DONE]\n\n"
-
-
-def caller_wants_logprobs(endpoint: str, caller_body: dict[str, Any]) -> bool:
-    """Whether the caller itself asked for logprobs (the gateway always asks the engine)."""
-    if endpoint == "completions":  # logprobs=0 asks for the sampled token's logprob
-        return caller_body.get("logprobs") is not None
-    return bool(caller_body.get("logprobs"))
-
-
-def strip_for_caller(
-    endpoint: str, caller_body: dict[str, Any], payload: dict[str, Any]
-) -> dict[str, Any]:
-    """Remove what the caller did not ask for from a response or stream chunk."""
-    want_ids = bool(caller_body.get("return_token_ids"))
-    want_logprobs = caller_wants_logprobs(endpoint, caller_body)
-    if want_logprobs and want_ids:
-        return payload
-    out = copy.copy(payload)
-    if not want_ids:
-        out.pop("prompt_token_ids", None)
-    choices = []
-    for c in out.get("choices") or []:
-        c = dict(c)
-        if not want_ids:
-            c.pop("token_ids", None)
-            c.pop("prompt_token_ids", None)
-        if not want_logprobs and "logprobs" in c:
-            c["logprobs"] = None
-        choices.append(c)
-    if "choices" in out:
-        out["choices"] = choices
-    return out
 
 
 class PassThrough(Exchange):
@@ -80,7 +49,7 @@ class ChatCompletions(Protocol):
     routes = ("/chat/completions",)
 
     def begin(self, body: dict[str, Any]) -> Exchange:
-        return PassThrough("chat.completions", body)
+        return PassThrough(self.endpoint, body)
 
 
 class Completions(Protocol):
@@ -92,4 +61,4 @@ class Completions(Protocol):
     streams = False
 
     def begin(self, body: dict[str, Any]) -> Exchange:
-        return PassThrough("completions", body)
+        return PassThrough(self.endpoint, body)
