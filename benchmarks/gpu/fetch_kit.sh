@@ -6,7 +6,7 @@
 #            and part00, the head of vLLM's slim tarball        -> bash benchmarks/gpu/run.sh
 #   .vllm1/  part01, the tarball's middle                       -> cp .vllm1/part* /tmp/vk/
 #   .vllm2/  part02, vLLM's imports, tracerl's wheel, tok/      -> bash benchmarks/gpu/vllm_run.sh
-# (fetch_wheels.sh + fetch_vllm.sh make the older five-call layout.) The GGUF demo is left out.
+# (fetch_wheels.sh makes the older four-call training layout, with the demo's GGUF.) The GGUF demo is left out.
 #   DEST=/path/to/checkout bash benchmarks/gpu/fetch_kit.sh   (default: this checkout)
 set -euo pipefail
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
@@ -51,24 +51,14 @@ with zipfile.ZipFile(f"{sys.argv[1]}/bitsandbytes-0.50.2-py3-none-manylinux_2_24
 PY
 )
 rm -rf "$BNB"
-python3 -m pip download -q "${P[@]}" -d .vllm2 blake3 cachetools cbor2 ijson pybase64 \
-  setproctitle msgspec pyzmq watchfiles python-json-logger partial-json-parser \
-  'fastapi>=0.133,<0.137' 'starlette>=1.0.1' uvicorn python-multipart httptools \
-  pydantic==2.14.4 pydantic_core==2.50.5 annotated-types typing-inspection pydantic-settings \
-  pydantic-extra-types pycountry python-dotenv openai==3.57.0 jiter distro sniffio httpx2 \
-  httpcore2 truststore prometheus-fastapi-instrumentator 'lm-format-enforcer==0.11.3' interegular \
-  'llguidance>=1.7,<1.8' outlines_core==0.2.14 lark==1.2.2 'xgrammar>=0.2.1,<1' \
-  'apache-tvm-ffi>=0.1.11' jsonschema jsonschema-specifications referencing rpds-py \
-  'mistral_common>=1.11.5' compressed-tensors==0.17.0 loguru depyf==0.20.0 astor dill \
-  openai-harmony 'model-hosting-container-standards>=0.1.14,<1' jmespath supervisor diskcache \
-  orjson
+python3 -m pip download -q "${P[@]}" -d .vllm2 -r "$SRC/benchmarks/gpu/vllm_deps.txt"
 (cd "$SRC" && "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$DEST/.whl" . && rm -rf build)
 cp .whl/tracerl-*.whl .vllm2/
 TOK=$(cd "$SRC" && PYTHONPATH=$SRC "$PY" -c "import sys; from tracerl.cli import main; sys.argv = ['tracerl', 'prepare-model', 'smollm2']; main()")
 for d in .whl/tok .vllm2/tok; do
   cp "$TOK"/tokenizer.json "$TOK"/tokenizer_config.json "$TOK"/chat_template.jinja "$d"/
 done
-# vLLM 0.26.0's slim tarball (fetch_vllm.sh says what is left out), cut to fill the three folders
+# vLLM 0.26.0's slim tarball (benchmarks/gpu/README.md says what is left out), cut to fill the three folders
 WHEEL=$CACHE/vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl
 [ -f "$WHEEL" ] || python3 -m pip download -q "${P[@]}" -d "$CACHE" vllm==0.26.0
 if [ ! -f "$CACHE/vllm-slim.tar.xz" ]; then

@@ -1,5 +1,6 @@
 """Which third-party packages does a CUDA build of vLLM import on its serving path? Run here, on
-a CPU box, to decide what the GPU kit must carry (fetch_vllm.sh) without spending device time.
+a CPU box, to decide what the GPU kit must carry (vllm_deps.txt, downloaded by fetch_kit.sh)
+without spending device time.
 
 Imports the OpenAI server, engine core, GPU worker and model modules of an unpacked vLLM wheel
 with its CUDA extensions replaced by empty modules and the platform pinned to an sm90 CUDA
