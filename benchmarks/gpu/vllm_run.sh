@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On the GPU machine, the last call of the vLLM kit (carry [".vllm2"]; the calls before copied
 # the tarball's first parts to /tmp/vk: .vllm1/part*, and .whl/part00 with fetch_kit.sh's
-# layout): install vLLM and its imports into /tmp/site, then run
-# benchmarks/rollout_throughput.py (gateway vs vLLM alone) on random-initialised models.
+# layout, copied by run.sh or carried here as .whl/part00): install vLLM and its imports into
+# /tmp/site, then run benchmarks/rollout_throughput.py (gateway vs vLLM alone) on
+# random-initialised models.
 #   bash benchmarks/gpu/vllm_run.sh [smollm2-135m:16,64,256 qwen2.5-0.5b:64,256 loop loop-7b
 #                                    adapter-smollm2-135m:64,256 async-qwen2.5-1.5b]
 # env: WAVES (default 3), PROFILE=1 (py-spy: the gateway process / vLLM's engine core),
@@ -11,7 +12,11 @@
 #      GATEWAY_VARIANTS="url uvloop httptools groupfsync" (rollout jobs: more gateways in the
 #      same waves, rollout_throughput.py's docstring)
 set -euo pipefail
-ls /tmp/vk/part* >/dev/null 2>&1 || { echo "the tarball's first parts are not in /tmp/vk (cold start?)"; exit 3; }
+# part00 travels in .whl: a call that did not follow run.sh carries [".vllm2", ".whl/part00"]
+[ -f .whl/part00 ] && mkdir -p /tmp/vk && cp .whl/part00 /tmp/vk/
+for part in part00 part01; do
+  [ -f /tmp/vk/$part ] || { echo "/tmp/vk/$part is missing (cold start? carry .whl/part00, and run the .vllm1 call just before)"; exit 3; }
+done
 mkdir -p /tmp/site
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .vllm2/*.whl
