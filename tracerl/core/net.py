@@ -83,6 +83,8 @@ def start_child(command: Sequence[str], **popen: Any) -> subprocess.Popen[bytes]
                     subprocess.Popen(list(command), start_new_session=True, **popen))
     prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here, not in the forked child
     preexec = functools.partial(_die_with_parent, prctl, os.getpid())
-    future = _spawner_thread().submit(subprocess.Popen, list(command), start_new_session=True,
-                                      preexec_fn=preexec, **popen)
-    return cast("subprocess.Popen[bytes]", future.result())
+    def fork() -> subprocess.Popen[bytes]:
+        return cast("subprocess.Popen[bytes]", subprocess.Popen(
+            list(command), start_new_session=True, preexec_fn=preexec, **popen))
+
+    return _spawner_thread().submit(fork).result()

@@ -204,6 +204,10 @@ class LiteLLMProxy:
     workers: int = 1  # uvicorn worker processes (``--num_workers``)
     process: subprocess.Popen[bytes] | None = None
 
+    def __post_init__(self) -> None:
+        # absolute: the child runs in it (cwd) and is given paths under it
+        self.directory = Path(self.directory).expanduser().resolve()
+
     @property
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}/v1"
@@ -222,7 +226,6 @@ class LiteLLMProxy:
 
     def start(self) -> LiteLLMProxy:
         self.master_key = self.master_key or self._persisted_master_key()
-        self.directory = Path(self.directory).resolve()  # the child runs there (cwd)
         config = write_proxy_config(
             self.directory,
             upstream_base_url=self.upstream_base_url,
@@ -256,6 +259,14 @@ class LiteLLMProxy:
             stdout=log,
             stderr=subprocess.STDOUT,
         )
+        try:
+            return self._wait_until_live()
+        except BaseException:  # a timeout, Ctrl-C or SIGTERM while starting: no proxy left
+            self.stop()
+            raise
+
+    def _wait_until_live(self) -> LiteLLMProxy:
+        assert self.process is not None
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -272,7 +283,6 @@ class LiteLLMProxy:
             except httpx2.HTTPError:
                 pass
             time.sleep(0.5)
-        self.stop()
         raise TimeoutError(f"the LiteLLM proxy did not come up within {self.startup_timeout_s} s; "
                            f"see {self.directory / 'proxy.log'}")
 

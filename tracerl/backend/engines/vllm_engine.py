@@ -244,23 +244,29 @@ class VLLMEngine(Engine):
         self.process = start_child(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
                                    env=env)
         self.connect(POOL_KEEP_ALIVE_S)
+        try:
+            await self._wait_until_healthy(self.process)
+        except BaseException:  # exited, timed out or cancelled (Ctrl-C): no server left
+            await asyncio.shield(self.stop())
+            raise
+        await self._serve_known_adapters()
+
+    async def _wait_until_healthy(self, process: subprocess.Popen[bytes]) -> None:
         loop = asyncio.get_running_loop()
         timeout_s = startup_timeout_s()
         deadline = loop.time() + timeout_s
         while True:
-            if self.process.poll() is not None:
+            if process.poll() is not None:
                 raise EngineError(
-                    f"vLLM exited with code {self.process.returncode} while starting:\n"
+                    f"vLLM exited with code {process.returncode} while starting:\n"
                     f"{self.log_tail()}"
                 )
             if await self.healthy():
-                break
+                return
             if loop.time() > deadline:
-                await self.stop()
                 raise EngineError(f"vLLM did not become healthy within {timeout_s:.0f} s:\n"
                                   f"{self.log_tail()}")
             await asyncio.sleep(0.5)
-        await self._serve_known_adapters()
 
     async def _serve_known_adapters(self) -> None:
         """Load again the adapters served before a (re)start, then take traffic."""
