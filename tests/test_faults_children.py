@@ -21,7 +21,7 @@ import pytest
 
 import tracerl
 from tests.remote_server import API_KEY, ROOT, free_port
-from tracerl.core.net import start_child, stop_process_group
+from tracerl.core.net import stop_process_group
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="PR_SET_PDEATHSIG is Linux's")
@@ -92,6 +92,8 @@ ECHO = "import signal, sys\nsignal.signal(signal.SIGTERM, lambda *_: print('TERM
 def test_a_child_outlives_the_short_lived_thread_that_started_it():
     """Linux signals a child when the *thread* that forked it ends: a child started from a
     worker thread (``asyncio.to_thread``) must not be killed when that thread ends."""
+    from tracerl.core.net import start_child
+
     started: list[subprocess.Popen] = []
     native: list[int] = []
 
