@@ -72,6 +72,13 @@ def env_for_children(**extra: str) -> dict[str, str]:
     return env
 
 
+def kill_groups(pids: list[int]) -> None:
+    """SIGKILL what a failed test left behind (each child leads a process group of its own)."""
+    for pid in pids:
+        if alive(pid):
+            os.killpg(pid, signal.SIGKILL)
+
+
 def end(parent: subprocess.Popen, sig: signal.Signals) -> None:
     """Send ``sig`` to ``parent`` alone and reap it."""
     parent.send_signal(sig)
@@ -115,7 +122,7 @@ def test_a_child_outlives_the_short_lived_thread_that_started_it():
         stop_process_group(child, 10)
 
 
-# --- tracerl proxy: the LiteLLM proxy --------------------------------------------------------------
+# --- tracerl proxy: the LiteLLM proxy ----------------------------------------------------------
 
 @pytest.mark.skipif(not LITELLM_PYTHON, reason="TRACERL_LITELLM_PYTHON (LiteLLM's proxy venv)")
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL],
@@ -127,6 +134,7 @@ def test_the_litellm_proxy_ends_with_tracerl_proxy(tf_backend, tmp_path, sig):
          "--model", model.get_inference_name(), "--port", str(free_port())],
         cwd=tmp_path, env=env_for_children(TRACERL_LITELLM_PYTHON=LITELLM_PYTHON or ""),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    started: list[int] = []
     try:
         lines = []
         for line in command.stdout:  # "master key:" is printed once the proxy answers
@@ -134,12 +142,14 @@ def test_the_litellm_proxy_ends_with_tracerl_proxy(tf_backend, tmp_path, sig):
             if line.startswith("master key:"):
                 break
         assert command.poll() is None, "".join(lines)[-3000:]
-        (litellm,) = children(command.pid)
+        started += children(command.pid)
+        (litellm,) = started
         end(command, sig)
         assert_gone([litellm], f"{sig.name} of tracerl proxy")
     finally:
         command.kill()
         command.wait()
+        kill_groups(started)
     if sig != signal.SIGKILL:  # stopped by the command itself, which then exits as Ctrl-C does
         assert command.returncode == 130
 
@@ -154,19 +164,22 @@ async def test_vllm_servers_end_with_tracerl_serve(tmp_path, sig):
         cwd=tmp_path, env=env_for_children(TRACERL_API_KEY=API_KEY,
                                            TRACERL_VLLM_PYTHON=str(INSTANT_VLLM)),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    started: list[int] = []
     try:
         lines = await asyncio.to_thread(_lines_until, command, "tracerl serve: ready")
         backend = tracerl.RemoteBackend(f"http://127.0.0.1:{port}", api_key=API_KEY)
         model = tracerl.TrainableModel(name="m", project="p", base_model="smollm2")
         await model.register(backend)
         await backend.close()
-        (server,) = children(command.pid)
+        started += children(command.pid)
+        (server,) = started
         assert alive(server), lines
         end(command, sig)
         assert_gone([server], f"{sig.name} of tracerl serve")
     finally:
         command.kill()
         command.wait()
+        kill_groups(started)
     assert (tmp_path / ".tracerl" / "p" / "models" / "m").is_dir()  # its default --path
     if sig == signal.SIGTERM:
         assert command.returncode == 0
@@ -201,8 +214,9 @@ def test_torchrun_and_its_ranks_end_with_the_process_that_launched_them(tmp_path
     parent = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path / "ranks.log")],
                               cwd=ROOT, env=env_for_children(), stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
+    started: list[int] = []
     try:
-        torchrun = int(parent.stdout.readline())
+        started.append(torchrun := int(parent.stdout.readline()))
         ranks = wait_for(lambda: len(found := children(torchrun)) == 2 and found,
                          "torchrun to start 2 ranks", 120)
         end(parent, sig)
@@ -210,3 +224,4 @@ def test_torchrun_and_its_ranks_end_with_the_process_that_launched_them(tmp_path
     finally:
         parent.kill()
         parent.wait()
+        kill_groups(started)
