@@ -565,7 +565,7 @@ async def litellm_call(tf_backend):
 async def test_litellm_params_name_the_model_as_hosted_vllm_at_temperature_1(litellm_call):
     params = litellm_call.params
     assert (params["model"], params["temperature"]) == (
-        f"hosted_vllm/{litellm_call.model.name}", 1)
+        f"hosted_vllm/{litellm_call.model.project}/{litellm_call.model.name}", 1)
 
 
 async def test_a_litellm_call_is_recorded_under_its_rollout(litellm_call):
@@ -576,7 +576,8 @@ async def test_a_litellm_call_is_recorded_under_its_rollout(litellm_call):
 
 async def test_litellm_params_can_pin_a_step(litellm_call):
     model = litellm_call.model
-    assert model.litellm_completion_params(step=0)["model"] == f"hosted_vllm/{model.name}@0"
+    assert model.litellm_completion_params(step=0)["model"] == (
+        f"hosted_vllm/{model.project}/{model.name}@0")  # qualified: see test_model_names.py
 
 
 def test_an_external_models_litellm_params_keep_its_name():

@@ -278,9 +278,9 @@ async def exported(quick, backend, tmp_path_factory):
 async def test_export_writes_only_what_vllm_loads(exported):
     assert sorted(p.name for p in exported.adapter_dir.iterdir()) == [
         "adapter_config.json", "adapter_model.safetensors"]
-    assert exported.name == "quick-start-step1"
+    assert exported.name == "art-docs/quick-start@1"  # the gateway's name for that step
     args = exported.vllm_serve_args()
-    assert args[args.index("--lora-modules") + 1] == f"quick-start-step1={exported.adapter_dir}"
+    assert args[args.index("--lora-modules") + 1] == f"{exported.name}={exported.adapter_dir}"
 
 
 async def test_deploy_model_names_the_export_instead(exported):

@@ -148,7 +148,8 @@ def test_the_proxy_config_routes_the_model_to_the_gateway(proxy, tf_backend):
     backend, _ = tf_backend
     config = json.loads((Path(proxy.directory) / "config.yaml").read_text())  # JSON is YAML
     assert [(m["model_name"], m["litellm_params"]["model"], m["litellm_params"]["api_base"])
-            for m in config["model_list"]] == [("agent", "hosted_vllm/agent", backend.base_url)]
+            for m in config["model_list"]] == [
+                ("agent", "hosted_vllm/tests/agent", backend.base_url)]  # the gateway's name
 
 
 def test_the_master_key_is_kept_only_in_its_own_owner_only_file(proxy):

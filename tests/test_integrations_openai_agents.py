@@ -217,7 +217,9 @@ def test_other_model_names_are_refused_clearly(agent_model):
 
 def test_a_step_of_the_model_can_be_named(agent_model):
     provider = TracerlModelProvider(agent_model, tracing=False)
-    assert provider.get_model("agent@3").inner.model == "agent@3"
+    # sent qualified, so another project's `agent` cannot make it ambiguous
+    assert provider.get_model("agent@3").inner.model == "tests/agent@3"
+    assert provider.get_model("tests/agent@3").inner.model == "tests/agent@3"
 
 
 async def test_per_rollout_providers_share_one_processor_and_close_every_span(agent_model):

@@ -136,7 +136,7 @@ async def test_the_staleness_bound_holds_for_every_trained_call(tf_backend, tmp_
         assert all(len(v) == 1 for v in by_rollout.values())
     assert AdapterPublisher(str(published)).published("stale1") == [2, 3]  # older ones retired
     route = backend.gateway.models["pipeline/stale1"]
-    assert route.versions == {s: published / "stale1" / f"policy@{s}" for s in (2, 3)}
+    assert route.versions == {s: published / "pipeline" / "stale1" / f"policy@{s}" for s in (2, 3)}
 
 
 async def test_a_failing_rollout_fails_the_pipeline_with_its_error(tf_backend):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
@@ -138,16 +139,13 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
         logging.getLogger(__name__).warning(
             "the proxy listens on %s; anyone who can reach it and holds the master key can use "
             "the model", args.host)
-    with proxy:
+    with proxy:  # Ctrl-C and SIGTERM (a KeyboardInterrupt, see main) stop it on the way out
         print(f"LiteLLM proxy: {proxy.base_url}\nmaster key:    {proxy.master_key}\n"
               f"name the rollout with header x-rollout-id: <id>, or body metadata "
               f'{{"rollout_id": "<id>"}}; Ctrl-C stops', flush=True)
-        try:
-            while proxy.process is not None and proxy.process.poll() is None:
-                time.sleep(1)
-        except KeyboardInterrupt:
-            pass
-    return 0
+        while proxy.process is not None and proxy.process.poll() is None:
+            time.sleep(1)
+    return 1  # the proxy itself exited
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -305,14 +303,24 @@ def configure_logging(command: str) -> None:
     root.setLevel(logging.INFO)
 
 
+def stop_on_sigterm() -> None:
+    """SIGTERM (as ``timeout``, systemd or a container runtime stop a command) ends a command
+    the way Ctrl-C does, so it stops its children on the way out (``tracerl serve`` sets its
+    own handlers)."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     configure_logging(args.command)
+    stop_on_sigterm()
     try:
         return func(args)
     except TracerlError as e:
         print(f"tracerl: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM, once the command's children are stopped
+        return 130
 
 

@@ -22,7 +22,7 @@ def chat_template_path(name_or_path: str) -> Path:
     if not path.is_file():
         raise ValueError(f"chat_template {name_or_path!r} is neither a built-in template "
                          f"({', '.join(sorted(builtin))}) nor a file")
-    return path
+    return path.resolve()  # absolute: handed to a vLLM server
 
 
 def apply_chat_template_override(tokenizer: Any, name_or_path: str | None) -> None:

@@ -137,7 +137,7 @@ class _ServingOnGateway:
         if self.publisher is None:
             await self.gateway.call(self.route.swap_adapter(step, adapter))
             return
-        name = self.route.name
+        name = self.route.key  # project/name: two projects' `agent` publish apart
         served = await asyncio.to_thread(self.publisher.publish, name, step, adapter)
         await self.gateway.call(self.route.swap_adapter(step, served))
         keep = set(self.route.versions) | {step}
@@ -198,7 +198,7 @@ class LocalBackend(Backend):
         if not is_loopback(host) and not api_key:
             raise ConfigError(f"binding the gateway to {host} needs an api_key "
                               "(loopback is the default)")
-        self.path = Path(path if path is not None else ".tracerl")
+        self.path = Path(path if path is not None else ".tracerl").expanduser().resolve()
         self.host, self.port = host, port
         self.api_key = api_key
         self.engine_override = engine
@@ -370,8 +370,8 @@ class LocalBackend(Backend):
                                  self.inference_name(model))
 
     def inference_name(self, model: ModelLike) -> str:
-        """The model name callers send for registered ``model``: its name, or
-        ``project/name`` while another project serves a model of that name."""
+        """The model name callers send for registered ``model``: ``project/name`` (see
+        :meth:`~tracerl.backend.served.ModelTable.model_id`)."""
         return self.gateway.model_id(self.gateway.models[spec_of(model).key])
 
     async def pending_groups(self, model: ModelLike) -> list[TrajectoryGroup]:

@@ -33,8 +33,10 @@ class AdapterPublisher:
         self.location = location.rstrip("/")
         self.is_url = "://" in location and not location.startswith("file://")
         local = location.removeprefix("file://")
-        self.served_root = Path(served_root or local) if (served_root or not self.is_url) \
-            else None
+        # where the servers load from: as the operator names it, else the local folder
+        # (absolute: handed to the servers)
+        self.served_root = Path(served_root) if served_root else (
+            None if self.is_url else Path(local).expanduser().resolve())
         if self.is_url and self.served_root is None:
             raise ConfigError(f"publishing to {location} needs served_root: the path at which "
                              "the inference servers see it mounted")

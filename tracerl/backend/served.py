@@ -23,8 +23,9 @@ MAX_PINNED_ROLLOUTS = 65536  # rollouts whose policy version is remembered (olde
 
 @dataclass
 class ServedModel:
-    """A trainable model's route: requests for ``name`` (or ``project/name``, always unique) go
-    to its newest adapter. Its identity is the (project, name) pair of its ``store``."""
+    """A trainable model's route: requests for ``project/name`` (or ``name`` while no other
+    project serves that name) go to its newest adapter. Its identity is the (project, name)
+    pair of its ``store``."""
 
     name: str
     engine: Engine
@@ -107,8 +108,8 @@ class ServedModel:
                 served = sorted(self.versions) if self.resident > 1 else [self.step]
                 raise EngineRequestError(
                     f"The model `{requested}` is not served: step {raw} is not the current step "
-                    f"({self.step}) nor resident (steps served: {served}); use `{self.name}` or "
-                    f"`{self.name}@{self.step}`",
+                    f"({self.step}) nor resident (steps served: {served}); use `{self.key}` or "
+                    f"`{self.key}@{self.step}`",
                     status=404, param="model", code="model_not_found")
             step = int(raw)
         elif self.resident > 1 and rollout_id is not None:
@@ -143,16 +144,21 @@ class ModelTable(Mapping[str, ServedModel]):
         self._models[served.key] = served
 
     def model_id(self, served: ServedModel) -> str:
-        """The model name callers use: ``name`` while no other project serves that name, else
-        ``project/name``."""
-        shared = any(m.name == served.name and m is not served for m in self._models.values())
-        return served.key if shared else served.name
+        """The name the library hands out for ``served`` (``get_inference_name``, the remote
+        API, integrations): always ``project/name``, which no later registration can make
+        ambiguous. The bare ``name`` is accepted too while one project serves it."""
+        return served.key
+
+    def _unique(self, served: ServedModel) -> bool:
+        """Whether no other project serves a model of ``served``'s name."""
+        return not any(m.name == served.name and m is not served for m in self._models.values())
 
     def listing(self) -> list[str]:
         """Every name a caller may use (``/v1/models``), model by model."""
         ids: list[str] = []
         for m in self._models.values():
-            ids += dict.fromkeys((self.model_id(m), m.key, f"{self.model_id(m)}@{m.step}",
+            ids += dict.fromkeys((m.key, f"{m.key}@{m.step}",
+                                  *([m.name] if self._unique(m) else []),
                                   m.engine.spec.served_name))
         return ids
 
@@ -180,8 +186,7 @@ class ModelTable(Mapping[str, ServedModel]):
                     break
         if served is None:
             known = sorted(
-                {*self._models, *(self.model_id(m) for m in self._models.values()),
-                 *(m.engine.spec.served_name for m in self._models.values())}
+                {*self._models, *(m.engine.spec.served_name for m in self._models.values())}
             )
             raise EngineRequestError(f"The model `{requested}` does not exist. Served: {known}",
                                      status=404, param="model", code="model_not_found")

@@ -23,7 +23,8 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def cache_dir() -> Path:
-    return settings.TRACERL_CACHE.get().expanduser()
+    """``TRACERL_CACHE``, absolute: paths under it are handed to vLLM and trainer ranks."""
+    return settings.TRACERL_CACHE.get().expanduser().resolve()
 
 
 def _smollm2_gguf_dir() -> Path:

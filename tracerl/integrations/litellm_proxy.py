@@ -27,7 +27,8 @@ import httpx2
 
 from ..core import settings
 from ..core.context import ROLLOUT_HEADER, TAGS_HEADER
-from ..core.net import free_port, stop_process_group
+from ..core.errors import ConfigError
+from ..core.net import free_port, start_child, stop_process_group
 
 CALLBACK_MODULE = "tracerl_proxy_callback"
 
@@ -115,9 +116,43 @@ recorder = TracerlProxyCallback()
 '''
 
 
+def gateway_names(upstream_base_url: str, upstream_api_key: str, names: list[str]
+                  ) -> dict[str, str]:
+    """The gateway's unambiguous name (``project/name``) for each name clients will send: a bare
+    ``name`` served by one project becomes that project's, so a model of the same name
+    registered in another project later does not break the proxy. A :class:`ConfigError`
+    names a bare name several projects serve, a name the gateway does not serve, and a
+    gateway that cannot be asked."""
+    try:
+        r = httpx2.get(f"{upstream_base_url.rstrip('/')}/models", timeout=30,
+                       headers={"authorization": f"Bearer {upstream_api_key}"})
+        r.raise_for_status()
+        served = [str(m["id"]) for m in r.json()["data"]]
+    except (httpx2.HTTPError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"could not list the models of the gateway at {upstream_base_url} "
+                          f"(--backend-url, --api-key): {e!r}") from None
+    qualified = [m for m in served if "/" in m and "@" not in m]
+    out = {}
+    for name in names:
+        base, at, step = name.partition("@")
+        matches = [m for m in qualified if base in (m, m.partition("/")[2])]
+        if len(matches) == 1:
+            out[name] = matches[0] + at + step
+        elif not matches and base in served:
+            out[name] = name  # the base model's own served name
+        elif matches:
+            raise ConfigError(f"--model {name}: several projects serve a model of that name; "
+                              f"name one of {sorted(matches)}")
+        else:
+            raise ConfigError(f"--model {name}: the gateway at {upstream_base_url} serves no "
+                              f"such model; it serves {sorted(qualified)}")
+    return out
+
+
 def write_proxy_config(directory: Path, *, upstream_base_url: str, upstream_api_key: str,
-                       model_names: list[str]) -> Path:
-    """Write ``config.yaml`` (JSON is valid YAML) and the callback module into ``directory``."""
+                       models: dict[str, str]) -> Path:
+    """Write ``config.yaml`` (JSON is valid YAML) and the callback module into ``directory``;
+    ``models`` maps each name clients send to the gateway's name for it."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / f"{CALLBACK_MODULE}.py").write_text(CALLBACK_SOURCE)
     config = {
@@ -125,13 +160,13 @@ def write_proxy_config(directory: Path, *, upstream_base_url: str, upstream_api_
             {
                 "model_name": name,
                 "litellm_params": {
-                    "model": f"hosted_vllm/{name}",
+                    "model": f"hosted_vllm/{upstream}",
                     "api_base": upstream_base_url,
                     "api_key": upstream_api_key,
                     "num_retries": 0,
                 },
             }
-            for name in model_names
+            for name, upstream in models.items()
         ],
         "litellm_settings": {"callbacks": f"{CALLBACK_MODULE}.recorder", "num_retries": 0},
         "general_settings": {"disable_spend_logs": True},
@@ -154,7 +189,8 @@ def _litellm_command(python: str | None) -> list[str]:
 
 @dataclass
 class LiteLLMProxy:
-    """A LiteLLM proxy process serving ``model_names`` from the gateway at ``upstream_base_url``."""
+    """A LiteLLM proxy process serving ``model_names`` from the gateway at ``upstream_base_url``
+    (each forwarded under the gateway's unambiguous name, see :func:`gateway_names`)."""
 
     upstream_base_url: str
     model_names: list[str]
@@ -167,6 +203,10 @@ class LiteLLMProxy:
     startup_timeout_s: float = 120.0
     workers: int = 1  # uvicorn worker processes (``--num_workers``)
     process: subprocess.Popen[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        # absolute: the child runs in it (cwd) and is given paths under it
+        self.directory = Path(self.directory).expanduser().resolve()
 
     @property
     def base_url(self) -> str:
@@ -190,7 +230,8 @@ class LiteLLMProxy:
             self.directory,
             upstream_base_url=self.upstream_base_url,
             upstream_api_key=self.upstream_api_key,
-            model_names=self.model_names,
+            models=gateway_names(self.upstream_base_url, self.upstream_api_key,
+                                 self.model_names),
         )
         self.port = self.port or free_port(self.host)
         env = {
@@ -201,7 +242,7 @@ class LiteLLMProxy:
             "PYTHONPATH": str(self.directory),
         }
         log = open(self.directory / "proxy.log", "wb")
-        self.process = subprocess.Popen(
+        self.process = start_child(
             [
                 *_litellm_command(self.python),
                 "--config",
@@ -217,8 +258,15 @@ class LiteLLMProxy:
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
         )
+        try:
+            return self._wait_until_live()
+        except BaseException:  # a timeout, Ctrl-C or SIGTERM while starting: no proxy left
+            self.stop()
+            raise
+
+    def _wait_until_live(self) -> LiteLLMProxy:
+        assert self.process is not None
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -235,7 +283,6 @@ class LiteLLMProxy:
             except httpx2.HTTPError:
                 pass
             time.sleep(0.5)
-        self.stop()
         raise TimeoutError(f"the LiteLLM proxy did not come up within {self.startup_timeout_s} s; "
                            f"see {self.directory / 'proxy.log'}")
 

@@ -168,9 +168,10 @@ class _TaggedModel(Model):
 class TracerlModelProvider(ModelProvider):
     """Serves agents from ``model``'s gateway (register the model first).
 
-    ``Agent.model`` may be unset, the tracerl model's name, or ``NAME@STEP`` for a fixed
-    checkpoint; other names go to ``fallback`` (e.g. the SDK's ``MultiProvider`` for a judge
-    on a hosted API) or raise. With ``tracing`` (default) it calls :func:`install_tracing`.
+    ``Agent.model`` may be unset, the tracerl model's name (bare or ``project/name``), or
+    either with ``@STEP`` for a fixed checkpoint, each sent as ``project/name[@STEP]``; other
+    names go to ``fallback`` (e.g. the SDK's ``MultiProvider`` for a judge on a hosted API) or
+    raise. With ``tracing`` (default) it calls :func:`install_tracing`.
     ``use_responses`` speaks the Responses API (the SDK's default) instead of chat completions;
     the gateway records either token-exactly.
     """
@@ -183,10 +184,8 @@ class TracerlModelProvider(ModelProvider):
         self.processor = install_tracing() if tracing else None
 
     def get_model(self, model_name: str | None) -> Model:
-        served = self.model.get_inference_name()
-        if model_name in (None, "", self.model.name, served) or (
-                model_name and model_name.startswith(f"{self.model.name}@")):
-            name = model_name if model_name and "@" in model_name else served
+        name = self._served_name(model_name)
+        if name is not None:
             # the client is made per event loop by the tracerl model
             api = OpenAIResponsesModel if self.use_responses else OpenAIChatCompletionsModel
             return _TaggedModel(api(model=name, openai_client=self.model.openai_client()))
@@ -196,3 +195,16 @@ class TracerlModelProvider(ModelProvider):
             f"TracerlModelProvider serves {self.model.name!r}; agent model {model_name!r} "
             "is not it (pass fallback=MultiProvider() to route other names)"
         )
+
+    def _served_name(self, model_name: str | None) -> str | None:
+        """The gateway's unambiguous name for ``model_name`` when it names this model (unset,
+        ``name`` or ``project/name``, either with ``@STEP``); None when it names another."""
+        served = self.model.get_inference_name()
+        if not model_name:
+            return served
+        base, at, step = model_name.partition("@")
+        if base not in (self.model.name, served):
+            return None
+        if not at:
+            return served
+        return self.model.get_inference_name(int(step)) if step.isdigit() else model_name

@@ -136,7 +136,11 @@ class Model:
         return self.inference_base_url, self.inference_api_key or "tracerl"
 
     def get_inference_name(self, step: int | None = None) -> str:
-        """The served model name: ``name`` (newest step) or ``name@step``."""
+        """The name to send for this model: ``project/name`` once registered with a backend
+        that serves it (``project/name@step`` for checkpoint ``step``); a model served
+        elsewhere keeps its ``inference_model_name`` (else ``name``), as in ART. Qualified
+        always, so a model of the same name registered in another project later cannot make
+        it ambiguous (the gateway refuses an ambiguous bare name)."""
         base = self.inference_model_name or self.name
         return base if step is None else f"{base}@{step}"
 

@@ -50,7 +50,9 @@ class LoRAExport:
 async def export_lora(model: Any, backend: LocalBackend, output_dir: str | Path, *,
                       step: int | None = None, name: str | None = None) -> LoRAExport:
     """Copy the adapter of ``model``'s checkpoint ``step`` (default: the newest) to
-    ``output_dir`` (only what vLLM loads: its config and weights, no optimizer state)."""
+    ``output_dir`` (only what vLLM loads: its config and weights, no optimizer state). Its
+    served ``name`` defaults to the gateway's for that step, ``project/name@step``
+    (``model.get_inference_name(step)``): unique across projects, and the same in code."""
     store = backend.store(model)
     step = store.latest_step() if step is None else step
     source = store.checkpoint_dir(step)
@@ -63,8 +65,8 @@ async def export_lora(model: Any, backend: LocalBackend, output_dir: str | Path,
         shutil.copy2(source / file, out / file)
     rank = int(json.loads((out / "adapter_config.json").read_text())["r"])
     base = resolve_base_model(model.base_model)
-    return LoRAExport(name=name or f"{store.name}-step{step}", adapter_dir=out, base_model=base,
-                      rank=rank)
+    return LoRAExport(name=name or f"{store.project}/{store.name}@{step}", adapter_dir=out,
+                      base_model=base, rank=rank)
 
 
 async def deploy_model(*args: Any, **kwargs: Any) -> None:

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import importlib.util
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -29,7 +27,7 @@ import aiohttp
 from ...core import settings
 from ...core.engine import Engine, EngineRequestError, EngineSpec, EngineUnavailableError
 from ...core.errors import EngineError
-from ...core.net import free_port, stop_process_group
+from ...core.net import free_port, start_child, stop_process_group
 from ...events.hookspecs import hookimpl
 from ..chat_template import chat_template_path
 from .json_codec import loads
@@ -70,7 +68,6 @@ def _cuda_visible() -> bool:
 # re-opening hundreds of connections cost the gateway a third of its CPU at 256 concurrent
 # rollouts on the H200 (BENCHMARKS.md, session 8).
 SERVER_KEEP_ALIVE_S = 75
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 POOL_KEEP_ALIVE_S = 60.0
 
 
@@ -103,13 +100,6 @@ def engine_connector(max_num_seqs: int, keepalive_s: float = 2.0) -> aiohttp.TCP
     """
     return aiohttp.TCPConnector(limit=max(1024, 8 * max_num_seqs), limit_per_host=0,
                                 keepalive_timeout=keepalive_s)
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child, between fork and exec
-    """Ask Linux to SIGTERM the server when the process that started it dies, even by SIGKILL:
-    a killed trainer must not leave a vLLM server holding the GPU."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass(frozen=True)
@@ -250,28 +240,33 @@ class VLLMEngine(Engine):
             env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in self.cpus)
         env.pop("PYTHONPATH", None)  # the vLLM venv brings its own packages
         env.setdefault("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", str(SERVER_KEEP_ALIVE_S))
-        self.process = subprocess.Popen(
-            self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+        # dies with this process: a killed trainer must not leave a server holding the GPU
+        self.process = start_child(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
+                                   env=env)
         self.connect(POOL_KEEP_ALIVE_S)
+        try:
+            await self._wait_until_healthy(self.process)
+        except BaseException:  # exited, timed out or cancelled (Ctrl-C): no server left
+            await asyncio.shield(self.stop())
+            raise
+        await self._serve_known_adapters()
+
+    async def _wait_until_healthy(self, process: subprocess.Popen[bytes]) -> None:
         loop = asyncio.get_running_loop()
         timeout_s = startup_timeout_s()
         deadline = loop.time() + timeout_s
         while True:
-            if self.process.poll() is not None:
+            if process.poll() is not None:
                 raise EngineError(
-                    f"vLLM exited with code {self.process.returncode} while starting:\n"
+                    f"vLLM exited with code {process.returncode} while starting:\n"
                     f"{self.log_tail()}"
                 )
             if await self.healthy():
-                break
+                return
             if loop.time() > deadline:
-                await self.stop()
                 raise EngineError(f"vLLM did not become healthy within {timeout_s:.0f} s:\n"
                                   f"{self.log_tail()}")
             await asyncio.sleep(0.5)
-        await self._serve_known_adapters()
 
     async def _serve_known_adapters(self) -> None:
         """Load again the adapters served before a (re)start, then take traffic."""

@@ -13,7 +13,7 @@ from typing import IO
 
 from ...core import settings
 from ...core.launcher import Launcher
-from ...core.net import free_port, stop_process_group
+from ...core.net import free_port, start_child, stop_process_group
 from ...events.hookspecs import hookimpl
 
 STOP_GRACE_S = 10.0
@@ -46,10 +46,10 @@ class LocalLauncher(Launcher):
                    "--master-port", str(free_port()), "--max-restarts", "0",
                    "--monitor-interval", "0.1", "-m", module]
         # CPU ranks: one thread each unless told otherwise (torchrun's own default too)
-        self.process = subprocess.Popen(
+        self.process = start_child(  # torchrun stops its ranks when it is stopped
             command, env={**os.environ, "OMP_NUM_THREADS": settings.OMP_NUM_THREADS.get(),
                           **env},
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=self._log, stderr=subprocess.STDOUT)
 
     def failure(self) -> str | None:
         if self.process is None or self.process.poll() is None:
