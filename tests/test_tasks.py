@@ -59,7 +59,9 @@ def test_tool_metrics_count_valid_calls_and_turns():
                     call("multiply", '{"a": 3, "b": 4}'), call("multiply", '{"a": "3"}'),
                     call("add", '{"a": 1, "b": 2}'), call("multiply", "{not json")]},
                 {"role": "tool", "content": "12"}, {"role": "assistant", "content": "12"}]
-    assert tool_metrics(messages) == {"turns": 2.0, "tool_calls": 4.0, "tool_call_valid": 0.25}
+    assert tool_metrics(messages, (4, 3)) == {"turns": 2.0, "tool_calls": 4.0,
+                                              "tool_call_valid": 0.25, "right_arguments": 1.0}
+    assert tool_metrics(messages, (3, 5))["right_arguments"] == 0.0
     assert tool_metrics(messages[:1])["tool_call_valid"] == 0.0
 
 

@@ -62,25 +62,47 @@ def _agent(model: Any, step: int | None, temperature: float) -> Any:
     return create_agent(llm, tools=[tool(multiply)], system_prompt=SYSTEM)
 
 
-def tool_metrics(messages: list[dict[str, Any]]) -> dict[str, float]:
-    """Turns (assistant messages), tool calls, and the share of tool calls that named the tool
-    and gave two integers."""
+def _arguments(call: dict[str, Any]) -> tuple[int, int] | None:
+    """A call's (a, b) when it names ``multiply`` with two integers, else None."""
+    fn = call.get("function", call)
+    args = fn.get("arguments", fn.get("args"))
+    try:
+        parsed = json.loads(args) if isinstance(args, str) else args
+    except json.JSONDecodeError:
+        return None
+    if fn.get("name") != "multiply" or not isinstance(parsed, dict):
+        return None
+    a, b = parsed.get("a"), parsed.get("b")
+    return (a, b) if type(a) is int and type(b) is int else None
+
+
+def tool_metrics(messages: list[dict[str, Any]], operands: tuple[int, ...] = ()
+                 ) -> dict[str, float]:
+    """Turns (assistant messages), tool calls, the share of tool calls that named the tool
+    and gave two integers, and whether one gave the question's ``operands``."""
     calls = [c for m in messages if m.get("role") == "assistant"
              for c in m.get("tool_calls") or []]
-    valid = 0
-    for c in calls:
-        fn = c.get("function", c)
-        args = fn.get("arguments", fn.get("args"))
-        try:
-            parsed = json.loads(args) if isinstance(args, str) else args
-        except json.JSONDecodeError:
-            continue
-        if (fn.get("name") == "multiply" and isinstance(parsed, dict)
-                and {type(parsed.get("a")), type(parsed.get("b"))} == {int}):
-            valid += 1
+    parsed = [_arguments(c) for c in calls]
+    valid = [p for p in parsed if p is not None]
     turns = sum(1 for m in messages if m.get("role") == "assistant")
     return {"turns": float(turns), "tool_calls": float(len(calls)),
-            "tool_call_valid": valid / len(calls) if calls else 0.0}
+            "tool_call_valid": len(valid) / len(calls) if calls else 0.0,
+            "right_arguments": float(any(sorted(p) == sorted(operands) for p in valid))}
+
+
+def operands(entry: dict[str, Any]) -> tuple[int, ...]:
+    """The numbers of the question (reasoning-gym's ``metadata.expression``)."""
+    return tuple(int(x) for x in entry["metadata"]["expression"].split(" * "))
+
+
+def shaped_reward(success: float, metrics: dict[str, float]) -> float:
+    """The scorer's verdict, with partial credit on the way to it so that a group of failures
+    still ranks its rollouts: the right tool call 0.3, a well-formed one 0.1."""
+    if success:
+        return 1.0
+    if metrics["right_arguments"]:
+        return 0.3
+    return 0.1 if metrics["tool_call_valid"] > 0 else 0.0
 
 
 async def rollout(model: Any, item: Item, *, temperature: float = 1.0,
@@ -103,9 +125,10 @@ async def rollout(model: Any, item: Item, *, temperature: float = 1.0,
             messages, answer, finished = [question], "", 0.0
         success = score(item.data, answer if isinstance(answer, str) else "")
         metrics = {"success": success, "finished": finished,
-                   **tool_metrics(messages[len(EXAMPLES):])}
+                   **tool_metrics(messages[len(EXAMPLES):], operands(item.data))}
         return Trajectory(messages_and_choices=messages[len(EXAMPLES):] if finished else messages,
-                          reward=success, metrics=metrics, metadata={"item": item.key})
+                          reward=shaped_reward(success, metrics), metrics=metrics,
+                          metadata={"item": item.key})
 
     return await wrap_rollout(model, play)()
 
