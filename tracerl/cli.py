@@ -66,6 +66,16 @@ def _cmd_prepare_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    if args.task == "agent":
+        import asyncio
+
+        from .tasks.agent_demo import agent_demo
+
+        engine = "transformers" if args.engine == "auto" else args.engine
+        asyncio.run(agent_demo(steps=args.steps or 10, engine=engine, base_path=args.base_path,
+                               seed=args.seed, group_size=args.group_size,
+                               items_per_step=args.groups))
+        return 0
     from .demo import run_demo
 
     return run_demo(steps=args.steps, engine=args.engine, base_path=args.base_path,
@@ -269,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-path", default=".tracerl",
                    help="where the run's model, trajectories and checkpoints are written")
     p.add_argument("--seed", type=int, default=0, help="sampling and training-number seed")
+    p.add_argument("--task", default="numbers", choices=["numbers", "agent"],
+                   help="numbers (default): repeat a number; agent: a LangGraph tool agent on "
+                   "reasoning-gym multiplications (pip install 'tracerl[tasks]')")
     _add_trainer_args(p)
     p.set_defaults(func=_cmd_demo)
 
