@@ -25,6 +25,7 @@ ALLOWED = {
     "remote": {"core", "events", "backend"},
     "integrations": {"core", "events", "rollout"},
     "ruler": {"core", "events", "rollout"},
+    "tasks": {"core", "events", "rollout", "integrations"},
 }
 # old import paths kept for users (module -> the one module it re-exports): exempt from the
 # stage rule, and checked to hold nothing but that re-export

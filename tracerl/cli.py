@@ -67,11 +67,36 @@ def _cmd_prepare_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    if args.task == "agent":
+        import asyncio
+
+        from .tasks.agent_demo import agent_demo
+
+        engine = "transformers" if args.engine == "auto" else args.engine
+        asyncio.run(agent_demo(steps=args.steps or 10, engine=engine, base_path=args.base_path,
+                               seed=args.seed, group_size=args.group_size,
+                               items_per_step=args.groups))
+        return 0
     from .demo import run_demo
 
     return run_demo(steps=args.steps, engine=args.engine, base_path=args.base_path,
                     group_size=args.group_size, groups_per_step=args.groups,
                     trainer=_trainer_config(args), seed=args.seed)
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    import asyncio
+    from pathlib import Path
+
+    from .tasks.compare import eval_steps, table
+
+    results = asyncio.run(eval_steps(
+        Path(args.model_dir), args.task, args.steps, n=args.n, samples=args.samples,
+        temperature=args.temperature, seed=args.seed, engine=args.engine, log=not args.no_log))
+    print(f"{args.task}: held-out, {args.n} items x {args.samples} "
+          f"({'greedy' if args.temperature == 0 else f'temperature {args.temperature}'})")
+    print(table(results))
+    return 0
 
 
 def _add_trainer_args(p: argparse.ArgumentParser) -> None:
@@ -97,15 +122,22 @@ def _trainer_config(args: argparse.Namespace) -> DistributedTrainerConfig | None
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from .report import write_png, write_report
+    from .report import write_comparison, write_png, write_report
 
+    if len(args.model_dir) > 1:
+        if args.serve or args.png or args.step is not None:
+            raise ConfigError("several model folders make one comparison report: --serve, "
+                              "--png and --step take one folder")
+        print(write_comparison(args.model_dir, out=args.out))
+        return 0
+    model_dir = args.model_dir[0]
     if args.serve:
         from .viewer import serve_report
 
-        return serve_report(args.model_dir, host=args.host, port=args.port)
-    print(write_report(args.model_dir, out=args.out, step=args.step))
+        return serve_report(model_dir, host=args.host, port=args.port)
+    print(write_report(model_dir, out=args.out, step=args.step))
     if args.png:
-        print(write_png(args.model_dir))
+        print(write_png(model_dir))
     return 0
 
 
@@ -195,8 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_prepare_model)
 
     p = sub.add_parser("report", help="write an HTML report (curves, best/worst trajectories)")
-    p.add_argument("model_dir", help="e.g. .tracerl/PROJECT/models/NAME")
-    p.add_argument("--out", default=None, help="default: MODEL_DIR/report.html")
+    p.add_argument("model_dir", nargs="+",
+                   help="e.g. .tracerl/PROJECT/models/NAME; several (seeds of one setup): one "
+                   "report of their train and held-out curves with the spread")
+    p.add_argument("--out", default=None,
+                   help="default: MODEL_DIR/report.html (several folders: ./runs.html)")
     p.add_argument("--step", type=int, default=None, help="training step to show (default: last)")
     p.add_argument(
         "--png", action="store_true", help="also write MODEL_DIR/report.png (matplotlib)"
@@ -206,6 +241,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="--serve: bind address (loopback)")
     p.add_argument("--port", type=int, default=8765, help="--serve: port (0 picks a free one)")
     p.set_defaults(func=_cmd_report)
+
+    p = sub.add_parser("eval", help="evaluate a model's steps on a task's held-out split")
+    p.add_argument("model_dir", help="the model's folder, e.g. .tracerl/PROJECT/models/NAME")
+    p.add_argument("--task", required=True, help="a task of the catalog (tracerl.tasks)")
+    p.add_argument("--steps", default="base,latest",
+                   help="comma-separated steps: numbers, 'base' and 'latest' (default: both)")
+    p.add_argument("--n", type=int, default=24, help="held-out items (default 24)")
+    p.add_argument("--samples", type=int, default=1, help="rollouts per item (default 1)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    p.add_argument("--seed", type=int, default=0, help="which held-out items are drawn")
+    p.add_argument("--engine", default="transformers", help="transformers (default), vllm, auto")
+    p.add_argument("--no-log", action="store_true",
+                   help="do not append the results to the model's history as val")
+    p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("doctor", help="check the environment, a live model and a run's folder")
     p.add_argument("--run", default=None, metavar="MODEL_DIR",
@@ -228,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-path", default=".tracerl",
                    help="where the run's model, trajectories and checkpoints are written")
     p.add_argument("--seed", type=int, default=0, help="sampling and training-number seed")
+    p.add_argument("--task", default="numbers", choices=["numbers", "agent"],
+                   help="numbers (default): repeat a number; agent: a LangGraph tool agent on "
+                   "reasoning-gym multiplications (pip install 'tracerl[tasks]')")
     _add_trainer_args(p)
     p.set_defaults(func=_cmd_demo)
 

@@ -19,6 +19,7 @@ from .core.trajectory import read_groups_jsonl
 
 WIDTH, HEIGHT, PAD = 640, 240, 40
 COLOURS = {"train": "#1f77b4", "val": "#d62728"}
+Band = list[tuple[int, float, float, float]]  # (step, mean, lowest, highest) over runs
 
 
 def series(history: list[dict[str, Any]], metric: str) -> dict[str, list[tuple[int, float]]]:
@@ -29,12 +30,15 @@ def series(history: list[dict[str, Any]], metric: str) -> dict[str, list[tuple[i
     return {k: sorted(v) for k, v in out.items()}
 
 
-def svg_chart(title: str, series: dict[str, list[tuple[int, float]]]) -> str:
-    """A line chart with one polyline per split."""
+def svg_chart(title: str, series: dict[str, list[tuple[int, float]]],
+              bands: dict[str, Band] | None = None) -> str:
+    """A line chart with one polyline per split (and, given ``bands``, each split's band from
+    its lowest to its highest run, shaded under the line)."""
     points = [p for s in series.values() for p in s]
     if not points:
         return f"<p>No {html.escape(title)} recorded.</p>"
     xs, ys = [p[0] for p in points], [p[1] for p in points]
+    ys += [y for band in (bands or {}).values() for _, _, lo, hi in band for y in (lo, hi)]
     x0, x1 = min(xs), max(max(xs), min(xs) + 1)
     y0, y1 = min(ys), max(ys)
     if y1 - y0 < 1e-12:
@@ -58,6 +62,12 @@ def svg_chart(title: str, series: dict[str, list[tuple[int, float]]]) -> str:
         f'<text x="{PAD}" y="{HEIGHT - 20}" font-size="10">step {x0}</text>',
         f'<text x="{WIDTH - PAD - 40}" y="{HEIGHT - 20}" font-size="10">step {x1}</text>',
     ]
+    for split, band in sorted((bands or {}).items()):
+        outline = [f"{sx(x):.1f},{sy(hi):.1f}" for x, _, _, hi in band]
+        outline += [f"{sx(x):.1f},{sy(lo):.1f}" for x, _, lo, _ in reversed(band)]
+        parts.append(f'<polygon class="band-{html.escape(split)}" fill="'
+                     f'{COLOURS.get(split, "#2ca02c")}" fill-opacity="0.18" stroke="none" '
+                     f'points="{" ".join(outline)}"/>')
     for k, (split, pts) in enumerate(sorted(series.items())):
         colour = COLOURS.get(split, "#2ca02c")
         coords = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in pts)
@@ -73,6 +83,50 @@ def svg_chart(title: str, series: dict[str, list[tuple[int, float]]]) -> str:
     return "\n".join(parts)
 
 
+def seed_bands(histories: list[list[dict[str, Any]]], metric: str) -> dict[str, Band]:
+    """Per split, the mean of ``metric`` over runs (seeds) at each step, with the lowest and
+    highest run: the spread a learning curve is reported with. A step counts where every run
+    that reached it logged the metric."""
+    per_split: dict[str, dict[int, list[float]]] = {}
+    for history in histories:
+        for split, points in series(history, metric).items():
+            for step, value in dict(points).items():  # a re-logged step: its last value
+                per_split.setdefault(split, {}).setdefault(step, []).append(value)
+    return {split: [(step, sum(v) / len(v), min(v), max(v)) for step, v in sorted(steps.items())]
+            for split, steps in per_split.items()}
+
+
+def svg_band_chart(title: str, bands: dict[str, Band], runs: int) -> str:
+    """Mean curves with a shaded band from the lowest to the highest run."""
+    return svg_chart(f"{title} (mean of {runs} runs, band: lowest to highest)",
+                     {split: [(s, m) for s, m, _, _ in band] for split, band in bands.items()},
+                     bands=bands)
+
+
+SEED_CHARTS = ("metrics/success", "reward")
+
+
+def build_comparison(model_dirs: list[Path]) -> str:
+    """Train and held-out curves of several runs (seeds of one setup) with their spread, and
+    a table of each run's held-out values."""
+    histories = [read_history(Path(d)) for d in model_dirs]
+    body = [f"<h1>{len(model_dirs)} runs</h1><p>" + ", ".join(
+        html.escape(Path(d).name) for d in model_dirs) + "</p>"]
+    for metric in SEED_CHARTS:
+        bands = seed_bands(histories, metric)
+        if bands:
+            body.append(svg_band_chart(metric, bands, len(model_dirs)))
+    rows = []
+    for d, history in zip(model_dirs, histories, strict=True):
+        val = series(history, "metrics/success").get("val", [])
+        rows.append(f"<tr><td>{html.escape(Path(d).name)}</td>" + "".join(
+            f"<td>{step}: {value:.3f}</td>" for step, value in val) + "</tr>")
+    body.append("<h2>Held-out success per run</h2><table>" + "".join(rows) + "</table>")
+    return ("<!doctype html><html><head><meta charset='utf-8'><title>tracerl runs</title>"
+            "<style>body{font-family:sans-serif;max-width:900px;margin:2em auto}td{padding:"
+            f"0 .6em}}</style></head><body>{''.join(body)}</body></html>")
+
+
 def _render_trajectory(t: Any) -> str:
     rows = []
     for m in t.messages():
@@ -84,6 +138,7 @@ def _render_trajectory(t: Any) -> str:
 
 
 CHARTS = ("reward", "loss")
+TASK_CHARTS = ("metrics/success", "metrics/tool_call_valid")  # drawn when a task logs them
 HEALTH_CHARTS = ("skipped_groups", "prefix_mismatch_fraction", "rendered_fraction", "engine_kl",
                  "length_clipped_fraction", "unattributed_calls")
 
@@ -116,6 +171,8 @@ def build_report(model_dir: Path, step: int | None = None, n: int = 2) -> str:
               if series(history, metric)]
     body = [f"<h1>{html.escape(model_dir.name)}</h1>",
             *(svg_chart(metric, series(history, metric)) for metric in CHARTS),
+            *(svg_chart(metric, series(history, metric)) for metric in TASK_CHARTS
+              if series(history, metric)),
             *health_section(history), *health]
     if steps:
         step = steps[-1] if step is None else step
@@ -139,6 +196,13 @@ def write_report(model_dir: Path, out: Path | None = None, step: int | None = No
     out = Path(out) if out else Path(model_dir) / "report.html"
     atomic_write_text(out, build_report(Path(model_dir), step=step))
     return out
+
+
+def write_comparison(model_dirs: list[str] | list[Path], out: Path | str | None = None) -> Path:
+    """:func:`build_comparison` of several model folders, written to ``out`` (./runs.html)."""
+    path = Path(out) if out else Path("runs.html")
+    atomic_write_text(path, build_comparison([Path(d) for d in model_dirs]))
+    return path
 
 
 def write_png(model_dir: Path, out: Path | None = None) -> Path:

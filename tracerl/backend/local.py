@@ -374,6 +374,18 @@ class LocalBackend(Backend):
         :meth:`~tracerl.backend.served.ModelTable.model_id`)."""
         return self.gateway.model_id(self.gateway.models[spec_of(model).key])
 
+    async def serve_step(self, model: ModelLike, step: int) -> None:
+        """Serve checkpoint ``step`` of registered ``model`` under its name (a held-out
+        evaluation of an older step, ``tracerl eval``); ``register`` again serves the newest.
+        Step 0 is the base model, always served as ``NAME@0``."""
+        store = self.store(model)
+        steps = store.checkpoint_steps()
+        if step not in steps:
+            raise ConfigError(f"model {spec_of(model).key} has no checkpoint of step {step}; "
+                              f"checkpoints: {steps or 'none'} (0 is the base model: NAME@0)")
+        route = self.gateway.models[spec_of(model).key]
+        await self._gateway().call(route.swap_adapter(step, store.checkpoint_dir(step)))
+
     async def pending_groups(self, model: ModelLike) -> list[TrajectoryGroup]:
         """Groups saved for a step whose training never finished (a crash): train on them again
         with ``await model.train(await backend.pending_groups(model))``."""

@@ -104,7 +104,7 @@ class ServedModel:
             if not raw.isdigit():
                 raise EngineRequestError(f"bad step in model name {requested!r}", status=404,
                                          param="model", code="model_not_found")
-            if not self._resident(int(raw)):
+            if int(raw) != 0 and not self._resident(int(raw)):  # the base is always served
                 served = sorted(self.versions) if self.resident > 1 else [self.step]
                 raise EngineRequestError(
                     f"The model `{requested}` is not served: step {raw} is not the current step "

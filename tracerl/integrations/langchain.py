@@ -208,13 +208,13 @@ _WRAPPED_MODEL: contextvars.ContextVar[Any] = contextvars.ContextVar(
 )
 
 
-def _chat_openai(model: Any, **kwargs: Any) -> Any:
+def _chat_openai(model: Any, step: int | None = None, **kwargs: Any) -> Any:
     from langchain_openai import ChatOpenAI
 
     base_url, api_key = model.endpoint()
     kwargs.setdefault("max_retries", 0)  # a retry would record the call twice
     return ChatOpenAI(
-        model=model.get_inference_name(),
+        model=model.get_inference_name(step),
         base_url=base_url,
         api_key=api_key,
         http_client=sync_http_client(model),
@@ -228,7 +228,8 @@ def init_chat_model(model: Any = None, **kwargs: Any) -> Any:
 
     Calls are attributed to the current rollout when they are sent, so one chat model (and
     one compiled graph using it) can serve any number of concurrent rollouts. Extra keyword
-    arguments go to ``ChatOpenAI`` (temperature, max_tokens, ...). As in ART, inside
+    arguments go to ``ChatOpenAI`` (temperature, max_tokens, ...); ``step=N`` pins the served
+    version (``model.get_inference_name(N)``; 0 is the base model). As in ART, inside
     :func:`wrap_rollout` ``model`` may be left out or be a name: the wrapped model serves it.
     Outside one (a module-level ``init_chat_model("openai:gpt-4o")``) it returns a
     :class:`LazyChatModel`, which binds to the rollout's model at each call.

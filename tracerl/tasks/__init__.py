@@ -1,0 +1,18 @@
+"""tasks: a catalog of agent tasks from libraries nobody here wrote, to show and measure an
+agent learning (``pip install 'tracerl[tasks]'``; nothing here is imported by the core).
+
+- ``base.py``: :class:`Task` (items in a train and a disjoint held-out split, an agent, its
+  library's scorer) and :func:`split_of`.
+- ``runner.py``: :func:`evaluate` (held-out, logged as ``val``) and :func:`train_task`.
+- ``catalog.py``: the tasks by name (:func:`get_task`, :data:`TASK_NAMES`).
+- one module per task: ``tool_products.py`` (reasoning-gym, LangGraph), ...
+"""
+
+from __future__ import annotations
+
+from .base import Item, Task, split_of
+from .catalog import TASK_NAMES, get_task
+from .runner import TaskRun, evaluate, train_task
+
+__all__ = ["TASK_NAMES", "Item", "Task", "TaskRun", "evaluate", "get_task", "split_of",
+           "train_task"]

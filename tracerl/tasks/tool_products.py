@@ -1,0 +1,143 @@
+"""Tool use: reasoning-gym's ``products`` (multiply two 2-3 digit numbers), solved by a
+LangGraph/LangChain agent (``create_agent``) with a ``multiply`` tool.
+
+SmolLM2-135M cannot multiply 3-digit numbers in its head; it can copy the tool-call pattern of
+two in-context examples, but at first often with wrong arguments, a wrong final answer or extra
+words around it. The task's own scorer (``score_answer``: the final answer must be the number)
+gives the reward, so the agent must learn to call the tool right and answer with its result.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..core.config import EngineConfig, LoraConfig, ModelConfig
+from ..core.trajectory import Trajectory
+from .base import Item, Task
+
+SYSTEM = "You are a calculator. Use the multiply tool, then answer with its result only."
+DIFFICULTY = {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 3}
+
+
+def _example(i: int, a: int, b: int) -> list[dict[str, Any]]:
+    call = {"id": f"ex{i}", "type": "function",
+            "function": {"name": "multiply", "arguments": json.dumps({"a": a, "b": b})}}
+    return [{"role": "user", "content": f"Solve the following multiplication: {a} * {b}. "
+                                        "Give only the result as your final answer."},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"ex{i}", "content": str(a * b)},
+            {"role": "assistant", "content": str(a * b)}]
+
+
+EXAMPLES = _example(1, 12, 7) + _example(2, 305, 41)
+
+
+def draw(seed: int, n: int) -> list[Item]:
+    import reasoning_gym
+
+    dataset = reasoning_gym.create_dataset("products", seed=seed, size=n, **DIFFICULTY)
+    return [Item(key=entry["question"], data=dict(entry)) for entry in dataset]
+
+
+def score(entry: dict[str, Any], answer: str) -> float:
+    """reasoning-gym's own scorer for ``products``."""
+    import reasoning_gym
+
+    return float(reasoning_gym.get_score_answer_fn("products")(answer.strip(), entry))
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers."""
+    return a * b
+
+
+def _agent(model: Any, step: int | None, temperature: float) -> Any:
+    from langchain.agents import create_agent
+    from langchain_core.tools import tool
+
+    from ..integrations.langchain import init_chat_model
+
+    llm = init_chat_model(model, step=step, temperature=temperature, max_tokens=40)
+    return create_agent(llm, tools=[tool(multiply)], system_prompt=SYSTEM)
+
+
+def _arguments(call: dict[str, Any]) -> tuple[int, int] | None:
+    """A call's (a, b) when it names ``multiply`` with two integers, else None."""
+    fn = call.get("function", call)
+    args = fn.get("arguments", fn.get("args"))
+    try:
+        parsed = json.loads(args) if isinstance(args, str) else args
+    except json.JSONDecodeError:
+        return None
+    if fn.get("name") != "multiply" or not isinstance(parsed, dict):
+        return None
+    a, b = parsed.get("a"), parsed.get("b")
+    return (a, b) if type(a) is int and type(b) is int else None
+
+
+def tool_metrics(messages: list[dict[str, Any]], operands: tuple[int, ...] = ()
+                 ) -> dict[str, float]:
+    """Turns (assistant messages), tool calls, the share of tool calls that named the tool
+    and gave two integers, and whether one gave the question's ``operands``."""
+    calls = [c for m in messages if m.get("role") == "assistant"
+             for c in m.get("tool_calls") or []]
+    parsed = [_arguments(c) for c in calls]
+    valid = [p for p in parsed if p is not None]
+    turns = sum(1 for m in messages if m.get("role") == "assistant")
+    return {"turns": float(turns), "tool_calls": float(len(calls)),
+            "tool_call_valid": len(valid) / len(calls) if calls else 0.0,
+            "right_arguments": float(any(sorted(p) == sorted(operands) for p in valid))}
+
+
+def operands(entry: dict[str, Any]) -> tuple[int, ...]:
+    """The numbers of the question (reasoning-gym's ``metadata.expression``)."""
+    return tuple(int(x) for x in entry["metadata"]["expression"].split(" * "))
+
+
+def shaped_reward(success: float, metrics: dict[str, float]) -> float:
+    """The scorer's verdict, with partial credit on the way to it so that a group of failures
+    still ranks its rollouts: the right tool call 0.3, a well-formed one 0.1."""
+    if success:
+        return 1.0
+    if metrics["right_arguments"]:
+        return 0.3
+    return 0.1 if metrics["tool_call_valid"] > 0 else 0.0
+
+
+async def rollout(model: Any, item: Item, *, temperature: float = 1.0,
+                  step: int | None = None) -> Trajectory:
+    from langchain_core.messages import convert_to_openai_messages
+    from langgraph.errors import GraphRecursionError
+
+    from ..integrations.langchain import wrap_rollout
+
+    async def play() -> Trajectory:
+        agent = _agent(model, step, temperature)
+        question = {"role": "user", "content": item.data["question"]}
+        try:
+            state = await agent.ainvoke({"messages": [*EXAMPLES, question]},
+                                        config={"recursion_limit": 7})
+            messages = convert_to_openai_messages(state["messages"])
+            answer = messages[-1].get("content") or "" if messages else ""
+            finished = 1.0
+        except GraphRecursionError:  # the agent kept calling tools: a failed episode
+            messages, answer, finished = [question], "", 0.0
+        success = score(item.data, answer if isinstance(answer, str) else "")
+        metrics = {"success": success, "finished": finished,
+                   **tool_metrics(messages[len(EXAMPLES):], operands(item.data))}
+        return Trajectory(messages_and_choices=messages[len(EXAMPLES):] if finished else messages,
+                          reward=shaped_reward(success, metrics), metrics=metrics,
+                          metadata={"item": item.key})
+
+    return await wrap_rollout(model, play)()
+
+
+def model_config() -> ModelConfig:
+    return ModelConfig(lora=LoraConfig(r=8, alpha=16), engine=EngineConfig(
+        max_model_len=1024, chat_template="chatml-tools", tool_call_parser="hermes"))
+
+
+TASK = Task(name="tool-products", summary="multiply two numbers with a tool (LangGraph agent)",
+            source="reasoning-gym 0.1.25 `products`", framework="LangGraph create_agent",
+            draw=draw, rollout=rollout, model_config=model_config)
