@@ -171,6 +171,7 @@ class ControlServer:
                 raise ConfigError(f"invalid train config: {e}") from None
             if not groups:
                 raise InvalidTrajectoryError("train got no trajectory groups")
+            self.backend.check_groups(model, groups)  # rows against the model, before queueing
             job = self.queue.submit(model, params.get("request_id"), groups, config)
             return StreamingResponse(_ndjson(self.queue.events(job)), media_type=NDJSON)
 
