@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..core import strict_json
 from ..core.context import MAX_TAGS_BYTES, ROLLOUT_HEADER, TAGS_HEADER
 from ..core.engine import EngineRequestError
-from ..core import strict_json
 from ..core.errors import ConfigError, RequestError
 from ..core.storage import validate_name
 
