@@ -339,10 +339,9 @@ def test_fuzzed_chat_fields_never_get_a_5xx_or_write_on_a_4xx(http, faults_serve
            message=st.dictionaries(st.sampled_from(["role", "content", "name", "tool_calls"]),
                                    JSON, max_size=3))
     def check(field, value, message):
-        body = chat(**{field: value})
+        body = chat(**{"max_tokens": 1, field: value})  # one token: most bodies are answered
         if field == "messages" and isinstance(value, dict):
             body["messages"] = [message]
-        body.setdefault("max_tokens", 2)
         _no_5xx_and_no_write_on_4xx(http, data, "POST",
                                     f"/rollouts/fz-{uuid.uuid4().hex[:8]}/v1/chat/completions",
                                     content=dumps(body))
