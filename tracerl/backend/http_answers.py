@@ -23,7 +23,11 @@ KeyCheck = Callable[[Request], JSONResponse | None]
 
 def openai_error(status: int, message: str, *, param: str | None = None,
                  code: str | None = None) -> JSONResponse:
-    """An OpenAI-shaped error answer (the gateway's and the control API's)."""
+    """An OpenAI-shaped error answer (the gateway's and the control API's). A lone surrogate
+    the message or param repeats from the request is written as its escape: the answer is
+    UTF-8, and an error about a bad value must not fail on that value."""
+    message = message.encode("utf-8", "backslashreplace").decode()
+    param = None if param is None else param.encode("utf-8", "backslashreplace").decode()
     return JSONResponse(status_code=status, content={
         "error": {"message": message, "type": error_type(status), "param": param, "code": code}})
 

@@ -39,6 +39,7 @@ from ..events.plugins import collect_classes
 from .engines.replica_set import build_engine
 from .publishing import AdapterPublisher
 from .training.health import claim_rollouts
+from .training.rows import check_token_records
 from .training.sft import sft_step
 from .training.step import train_step
 
@@ -446,8 +447,23 @@ class LocalBackend(Backend):
         return LocalTrainResult(result.step, result.metrics,
                                 str(checkpoint) if checkpoint.exists() else None)
 
+    def check_groups(self, model: ModelLike, groups: list[TrajectoryGroup]) -> None:
+        """Raise :class:`InvalidTrajectoryError` naming the first row of ``groups`` that
+        registered ``model`` cannot train on (a token id outside its vocabulary, ids and
+        logprobs of different lengths, a call longer than its context length); nothing is
+        queued or written before this passes."""
+        from .weights import vocab_size
+
+        route = self.gateway.models.get(self._placed(model).key)
+        if route is None:
+            raise TrainingError(f"model {spec_of(model).key} is not registered with this "
+                                "backend")
+        spec = route.engine.spec
+        check_token_records(groups, vocab_size(spec.model_path), spec.config.max_model_len)
+
     async def train_events(self, model: ModelLike, groups: list[TrajectoryGroup],
                            config: TrainConfig) -> AsyncIterator[TrainEvent]:
+        self.check_groups(model, groups)
         async for event in self._run_step(model, functools.partial(train_step, groups=groups,
                                                                    config=config)):
             yield event

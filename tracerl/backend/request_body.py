@@ -8,14 +8,13 @@ A body must arrive whole within a deadline. The limit holds for the bytes on the
 from __future__ import annotations
 
 import asyncio
-import json
 import zlib
 from typing import Any
 
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
-from ..core import settings
+from ..core import settings, strict_json
 from ..core.errors import BadBodyEncodingError, BodyTimeoutError, BodyTooLargeError, RequestError
 
 BODY_TIMEOUT_S = settings.TRACERL_BODY_TIMEOUT_S.default
@@ -26,15 +25,14 @@ def body_timeout_s() -> float:
     return settings.TRACERL_BODY_TIMEOUT_S.get()
 
 
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
 def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """A body that must be one JSON object: strict JSON (no NaN or Infinity), nesting and
+    """A body that must be one JSON object: strict JSON (:mod:`tracerl.core.strict_json`: no
+    NaN, Infinity, lone surrogate or integer past 64 bits, a 400 naming the field), nesting and
     integer sizes bounded by the parser (a 100k-deep array or a 5,000-digit integer is a 400)."""
     try:
-        body = json.loads(raw, parse_constant=_refuse_constant)
+        body = strict_json.loads(raw)
+    except RequestError:
+        raise
     except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, int digits, NaN
         raise RequestError(f"request body is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(body, dict):

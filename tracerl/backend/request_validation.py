@@ -15,9 +15,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..core import strict_json
 from ..core.context import MAX_TAGS_BYTES, ROLLOUT_HEADER, TAGS_HEADER
 from ..core.engine import EngineRequestError
-from ..core.errors import ConfigError
+from ..core.errors import ConfigError, RequestError
 from ..core.storage import validate_name
 
 MAX_N = 128
@@ -145,6 +146,8 @@ def _check_stop(body: dict[str, Any]) -> None:
 def _check_prompt(body: dict[str, Any], vocab_size: int | None) -> None:
     prompt = body.get("prompt")
     if isinstance(prompt, str):
+        if not prompt:
+            raise _bad("prompt", "the prompt is empty; send at least one character or token id")
         _check_text("prompt", prompt)
         return
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
@@ -232,8 +235,10 @@ def parse_tags(header: str | None) -> dict[str, Any] | None:
             f"{TAGS_HEADER} is larger than {MAX_TAGS_BYTES} bytes", param=TAGS_HEADER
         )
     try:
-        tags = json.loads(header)
-    except json.JSONDecodeError:
+        tags = strict_json.loads(header, TAGS_HEADER)
+    except RequestError as e:
+        raise EngineRequestError(str(e), param=TAGS_HEADER) from None
+    except ValueError:
         raise EngineRequestError(
             f"{TAGS_HEADER} must be a JSON object", param=TAGS_HEADER
         ) from None

@@ -7,7 +7,9 @@ under the cache folder; later loads take a second.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import json
 import shutil
 from pathlib import Path
 
@@ -80,6 +82,17 @@ def resolve_base_model(base_model: str) -> Path:
         f"base_model {base_model!r} is neither a model folder (with config.json) nor a known "
         f"embedded model ({', '.join(sorted(SMOLLM2_ALIASES))}); no model hub is used"
     )
+
+
+@functools.cache
+def vocab_size(model_path: Path) -> int:
+    """The number of token ids ``model_path``'s embedding holds (``vocab_size`` of its
+    ``config.json``, or of its ``text_config`` for a multimodal model)."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    if not isinstance(size, int) or size < 1:
+        raise ConfigError(f"{model_path}/config.json names no vocab_size")
+    return size
 
 
 def remove_cached(name: str = SMOLLM2) -> None:

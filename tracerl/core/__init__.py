@@ -4,6 +4,8 @@ tracerl, so any stage may import it (``tests/test_layout.py`` checks).
 Data model:
 - ``errors.py``: the one exception tree, with each error's code and HTTP status.
 - ``validated.py``: the pydantic base whose errors name the field.
+- ``strict_json.py``: JSON from outside, refused (naming the field) where a record could not
+  hold a value: NaN, Infinity, overflowed floats, lone surrogates, integers past 64 bits.
 - ``settings.py``: every environment variable tracerl reads (name, type, default, doc), and
   the only module that reads them.
 - ``config.py``: ``TrainConfig``, ``LoraConfig``, ``EngineConfig``, ``ModelConfig``,

@@ -20,7 +20,13 @@ from ..backend.http_answers import KeyCheck, KeyRequired, error_response
 from ..backend.request_body import parse_json_object, read_limited_body
 from ..backend.weights import SMOLLM2_ALIASES
 from ..core.config import ModelConfig, TrainConfig
-from ..core.errors import ConfigError, InvalidTrajectoryError, NotRegisteredError, TracerlError
+from ..core.errors import (
+    ConfigError,
+    InvalidTrajectoryError,
+    NotRegisteredError,
+    RequestError,
+    TracerlError,
+)
 from ..core.model_spec import ModelSpec
 from ..core.storage import atomic_write_text, validate_name
 from ..core.trajectory import group_lines
@@ -31,6 +37,7 @@ if TYPE_CHECKING:
     from ..backend.local import LocalBackend
 
 SMALL_BODY_BYTES = 1024 * 1024
+MAX_STEP = 2**63 - 1  # a step is a file's name and an int64 elsewhere (TensorBoard, W&B)
 
 
 class ControlServer:
@@ -164,6 +171,7 @@ class ControlServer:
                 raise ConfigError(f"invalid train config: {e}") from None
             if not groups:
                 raise InvalidTrajectoryError("train got no trajectory groups")
+            self.backend.check_groups(model, groups)  # rows against the model, before queueing
             job = self.queue.submit(model, params.get("request_id"), groups, config)
             return StreamingResponse(_ndjson(self.queue.events(job)), media_type=NDJSON)
 
@@ -173,12 +181,15 @@ class ControlServer:
             params, groups = decode_groups(await read_limited_body(request, self.max_upload_bytes))
             split, step = params.get("split"), params.get("step")
             metrics = params.get("metrics") or {}
-            if not isinstance(step, int) or step < 0:
-                raise ConfigError("the parameters line needs step, an integer >= 0")
-            if not isinstance(metrics, dict) or not all(
-                isinstance(v, int | float) and not isinstance(v, bool) for v in metrics.values()
-            ):
-                raise ConfigError("metrics must be a JSON object of numbers")
+            if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+                raise RequestError(f"the parameters line needs step, an integer in [0, {MAX_STEP}]"
+                                   f", got {step!r}"[:200], param="step")
+            if not isinstance(metrics, dict):
+                raise RequestError("metrics must be a JSON object of numbers", param="metrics")
+            for key, value in metrics.items():
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise RequestError(f"metrics.{key} must be a number, got {value!r}"[:200],
+                                       param=f"metrics.{key}")
             marker = request_marker(self.backend.store(model), "log", params.get("request_id"))
             if not marker.exists():  # a retried log is applied once
                 await self.backend.log(model, groups, validate_name("split", split), step, metrics)

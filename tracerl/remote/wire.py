@@ -12,7 +12,8 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from ..core.errors import InvalidTrajectoryError
+from ..core import strict_json
+from ..core.errors import InvalidTrajectoryError, RequestError
 from ..core.trajectory import TrajectoryGroup, group_lines, parse_group_lines
 
 API_PREFIX = "/api/v1"
@@ -25,7 +26,8 @@ def encode_groups(params: dict[str, Any], groups: Iterable[TrajectoryGroup]) -> 
 
 
 def decode_groups(body: bytes) -> tuple[dict[str, Any], list[TrajectoryGroup]]:
-    """Parse an upload; errors name the line that is wrong."""
+    """Parse an upload; errors name the line that is wrong, and the field that cannot be
+    recorded (:mod:`tracerl.core.strict_json`)."""
     try:
         text = body.decode()
     except UnicodeDecodeError as e:
@@ -34,9 +36,17 @@ def decode_groups(body: bytes) -> tuple[dict[str, Any], list[TrajectoryGroup]]:
     if not lines[0].strip():
         raise InvalidTrajectoryError("upload must start with a parameters line, then groups")
     try:
-        params = json.loads(lines[0])
-    except json.JSONDecodeError as e:
+        params = strict_json.loads(lines[0])  # a value that cannot be recorded: its field named
+    except RequestError:
+        raise
+    except ValueError as e:
         raise InvalidTrajectoryError(f"upload:1: the parameters line is not JSON: {e}") from None
+    for lineno, line in enumerate(lines[1:], 2):
+        try:
+            strict_json.check_document(line)
+        except ValueError as e:
+            raise InvalidTrajectoryError(f"upload:{lineno}: not a valid trajectory group: {e}"
+                                         ) from None
     if not isinstance(params, dict):
         raise InvalidTrajectoryError("upload:1: the parameters line must be a JSON object")
     return params, parse_group_lines(lines[1:], "upload", first_lineno=2)

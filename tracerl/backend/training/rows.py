@@ -16,7 +16,8 @@ from typing import Any
 
 from openai.types.chat.chat_completion import Choice
 
-from ...core.trajectory import Conversation, LLMCall, is_greedy
+from ...core.errors import InvalidTrajectoryError
+from ...core.trajectory import Conversation, LLMCall, TrajectoryGroup, is_greedy
 
 NAN = float("nan")
 
@@ -166,3 +167,46 @@ def rows_from_messages(
 
 def has_unknown_logprobs(row: Row) -> bool:
     return any(m and math.isnan(lp) for m, lp in zip(row.loss_mask, row.old_logprobs, strict=True))
+
+
+def _check_ids(where: str, ids: list[int], vocab_size: int) -> None:
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise InvalidTrajectoryError(f"{where}[{i}]: token id {t!r} is outside the model's "
+                                         f"vocabulary [0, {vocab_size})")
+
+
+def _check_choices(where: str, items: list[Any], vocab_size: int) -> None:
+    for i, item in enumerate(items):
+        if isinstance(item, Choice):
+            _check_ids(f"{where}.messages_and_choices[{i}].token_ids",
+                       list((item.model_extra or {}).get("token_ids") or []), vocab_size)
+
+
+def check_token_records(groups: list[TrajectoryGroup], vocab_size: int, context: int) -> None:
+    """Raise :class:`InvalidTrajectoryError` naming the first row the model cannot train on
+    (``groups[g].trajectories[t].llm_calls[c]...``): a token id outside ``[0, vocab_size)``
+    (the embedding would index past its end), ids and logprobs of different lengths, or a call
+    whose prompt and completion are longer than ``context`` tokens (the served context length:
+    the engine cannot have sampled it). Run before a step queues or writes anything."""
+    for g, group in enumerate(groups):
+        for t, trajectory in enumerate(group.trajectories):
+            where = f"groups[{g}].trajectories[{t}]"
+            _check_choices(where, trajectory.messages_and_choices, vocab_size)
+            for h, history in enumerate(trajectory.additional_histories):
+                _check_choices(f"{where}.additional_histories[{h}]",
+                               history.messages_and_choices, vocab_size)
+            for c, call in enumerate(trajectory.llm_calls):
+                at = f"{where}.llm_calls[{c}]"
+                _check_ids(f"{at}.prompt_token_ids", call.prompt_token_ids, vocab_size)
+                for k, comp in enumerate(call.completions):
+                    _check_ids(f"{at}.completions[{k}].token_ids", comp.token_ids, vocab_size)
+                    if comp.logprobs is not None and len(comp.logprobs) != len(comp.token_ids):
+                        raise InvalidTrajectoryError(
+                            f"{at}.completions[{k}].logprobs: {len(comp.logprobs)} logprobs for "
+                            f"{len(comp.token_ids)} token ids")
+                    length = len(call.prompt_token_ids) + len(comp.token_ids)
+                    if length > context:
+                        raise InvalidTrajectoryError(
+                            f"{at}: prompt and completion {k} hold {length} tokens, more than "
+                            f"the model's context length of {context}")
