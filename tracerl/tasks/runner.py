@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.config import TrainConfig
-from ..core.trajectory import Trajectory, TrajectoryGroup
+from ..core.trajectory import RolloutException, Trajectory, TrajectoryGroup
 from ..rollout.gather import gather_trajectory_groups
 from .base import Task
 
@@ -26,9 +26,18 @@ def usage_metrics(trajectory: Trajectory) -> dict[str, float]:
 
 
 def _with_usage(groups: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
+    """Add each rollout's usage to its metrics; say why rollouts failed (the first error of
+    each kind), since a task whose rollouts all fail trains nothing."""
+    errors: dict[str, RolloutException] = {}
     for group in groups:
         for t in group.trajectories:
             t.metrics.update(usage_metrics(t))
+        for e in group.exceptions:
+            errors.setdefault(e.type, e)
+    failed = sum(len(g.exceptions) for g in groups)
+    for e in errors.values():
+        log.warning("%d rollouts failed; the first %s: %s\n%s", failed, e.type, e.message,
+                    e.traceback)
     return groups
 
 

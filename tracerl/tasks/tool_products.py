@@ -95,14 +95,14 @@ def operands(entry: dict[str, Any]) -> tuple[int, ...]:
     return tuple(int(x) for x in entry["metadata"]["expression"].split(" * "))
 
 
-def shaped_reward(success: float, metrics: dict[str, float]) -> float:
-    """The scorer's verdict, with partial credit on the way to it so that a group of failures
-    still ranks its rollouts: the right tool call 0.3, a well-formed one 0.1."""
-    if success:
+def shaped_reward(score: float, metrics: dict[str, float]) -> float:
+    """1 for the scorer's full marks (the number alone); below it, partial credit on the way
+    there, so that a group of failures still ranks its rollouts: half the scorer's partial
+    score (the number inside other words), 0.2 for a well-formed tool call, 0.2 more for the
+    question's numbers in it."""
+    if score >= 1.0:
         return 1.0
-    if metrics["right_arguments"]:
-        return 0.3
-    return 0.1 if metrics["tool_call_valid"] > 0 else 0.0
+    return 0.5 * score + 0.2 * (metrics["tool_call_valid"] > 0) + 0.2 * metrics["right_arguments"]
 
 
 async def rollout(model: Any, item: Item, *, temperature: float = 1.0,
@@ -123,11 +123,11 @@ async def rollout(model: Any, item: Item, *, temperature: float = 1.0,
             finished = 1.0
         except GraphRecursionError:  # the agent kept calling tools: a failed episode
             messages, answer, finished = [question], "", 0.0
-        success = score(item.data, answer if isinstance(answer, str) else "")
-        metrics = {"success": success, "finished": finished,
+        scored = score(item.data, answer if isinstance(answer, str) else "")
+        metrics = {"success": float(scored >= 1.0), "score": scored, "finished": finished,
                    **tool_metrics(messages[len(EXAMPLES):], operands(item.data))}
         return Trajectory(messages_and_choices=messages[len(EXAMPLES):] if finished else messages,
-                          reward=shaped_reward(success, metrics), metrics=metrics,
+                          reward=shaped_reward(scored, metrics), metrics=metrics,
                           metadata={"item": item.key})
 
     return await wrap_rollout(model, play)()
