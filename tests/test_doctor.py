@@ -162,10 +162,10 @@ async def test_an_agent_run_with_no_signal_is_explained_in_agent_terms(tf_backen
     await model.openai_client().chat.completions.create(  # no rollout around it
         model=model.get_inference_name(), max_tokens=2,
         messages=[{"role": "user", "content": "Hi"}])
-    await model.train(await tracerl.gather_trajectory_groups(
-        [tracerl.TrajectoryGroup(tracerl.Trajectory(reward=float(i), messages_and_choices=[
+    await model.train([tracerl.TrajectoryGroup([  # a step after it, which counts it
+        tracerl.Trajectory(reward=float(i), messages_and_choices=[
             {"role": "user", "content": "Hi"}, {"role": "assistant", "content": a}])
-            for i, a in enumerate(("yes", "no")))], show_progress=False))
+        for i, a in enumerate(("yes", "no"))])])
     _, report = doctor_json("--no-env", "--run", str(backend.store(model).root))
     found = by_check(report)
     assert found["run/skipped_groups"]["status"] in ("warn", "fail")
