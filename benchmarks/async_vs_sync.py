@@ -16,9 +16,18 @@ off-policy bound, which they usually have reached already: a small bias in async
 none with ``--eval-every`` equal to ``--steps``, where only the start and the end are
 evaluated.)
 
+``--staleness drop admit`` runs the async side once per staleness policy of the pipeline
+(``RolloutPipeline(staleness=...)``: drop groups that went stale, or admit by staleness and keep
+them) and reports, per policy, the groups dropped and the mean length (completion tokens per
+rollout, seconds per group) of the kept and the dropped ones; ``--skip-sync`` leaves the
+synchronous side out (the ratio is then admit over drop). A slow kind among fast ones
+(``--env-s 0 0 8``) is the workload where dropping starves the slow rollouts.
+
     PYTHONPATH=. .venv/bin/python benchmarks/async_vs_sync.py --steps 4 --groups 2 --group-size 2
     PYTHONPATH=. .venv/bin/python benchmarks/async_vs_sync.py --task numbers --steps 8 \
         --groups 4 --group-size 6 --bound 2 --repeats 2
+    PYTHONPATH=. .venv/bin/python benchmarks/async_vs_sync.py --steps 8 --groups 2 \
+        --group-size 2 --bound 1 --lengths 4 32 --env-s 0 0 8 --staleness drop admit --skip-sync
     # on a GPU (vLLM and the trainer sharing it), a random-initialised 1.5B shape:
     python benchmarks/async_vs_sync.py --engine vllm --random-init qwen2.5-1.5b \
         --gpu-memory-utilization 0.5 --lengths 64 256 1024 --env-s 0 1 --bound 2
@@ -104,19 +113,34 @@ async def run_sync(model, rollout, scenarios, groups: int, steps: int,
     return time.perf_counter() - started - schedule.eval_s
 
 
+def kept_and_dropped(trained: list) -> dict[str, float]:
+    """Groups dropped, held, and the mean length of kept and dropped groups over the run."""
+    out: dict[str, float] = {}
+    for kind in ("kept", "dropped"):
+        counts = [t.metrics[f"pipeline/{kind}_groups"] for t in trained]
+        out[f"{kind}_groups"] = sum(counts)
+        for unit in ("tokens", "s"):
+            key = f"pipeline/{kind}_rollout_{unit}"
+            total = sum(t.metrics.get(key, 0.0) * n for t, n in zip(trained, counts, strict=True))
+            out[f"{kind}_rollout_{unit}"] = round(total / sum(counts), 2) if sum(counts) else 0.0
+    out["held_groups"] = sum(t.metrics["pipeline/held_groups"] for t in trained)
+    out["trainer_wait_s"] = round(sum(t.metrics["pipeline/wait_s"] for t in trained), 1)
+    return out
+
+
 async def run_async(model, rollout, scenarios, groups: int, steps: int, bound: int,
-                    schedule: Schedule) -> float:
+                    schedule: Schedule, staleness: str = "admit") -> tuple[float, dict]:
     await schedule.after(model, 0)
     started = time.perf_counter()
     pipeline = tracerl.RolloutPipeline(model, rollout, scenarios, groups_per_step=groups,
                                        max_steps_off_policy=bound,
-                                       train_config=schedule.config(1))
-    trained = 0
-    async for _ in pipeline.steps(max_steps=steps):
-        trained += 1
-        pipeline.train_config = schedule.config(trained + 1)
-        await schedule.after(model, trained)  # the pipeline trains nothing meanwhile
-    return time.perf_counter() - started - schedule.eval_s
+                                       train_config=schedule.config(1), staleness=staleness)
+    trained = []
+    async for step in pipeline.steps(max_steps=steps):
+        trained.append(step)
+        pipeline.train_config = schedule.config(len(trained) + 1)
+        await schedule.after(model, len(trained))  # the pipeline trains nothing meanwhile
+    return time.perf_counter() - started - schedule.eval_s, kept_and_dropped(trained)
 
 
 async def measure(args: argparse.Namespace) -> dict:
@@ -127,20 +151,25 @@ async def measure(args: argparse.Namespace) -> dict:
     engine = tracerl.EngineConfig(max_model_len=max(512, max(args.lengths) + 128),
                                   resident_adapters=args.bound + 1, sleep_during_training=False,
                                   gpu_memory_utilization=args.gpu_memory_utilization)
-    total = args.steps * args.groups * (args.bound + 2)  # the pipeline may run ahead
+    # the pipeline may run ahead, and drop groups
+    total = args.steps * args.groups * (args.bound + 2) * 2
     if args.task == "numbers":
         scenarios = list(enumerate(demo.scenarios(seed=7, n=total)))
         rollout = numbers_rollout(args.group_size)
     else:
         scenarios = list(enumerate(workload(0, total, args.lengths, args.env_s)))
         rollout = rollout_fn(args.group_size)
-    results: dict[str, list[float]] = {"sync": [], "async": []}
-    curves: dict[str, list[list[tuple[int, float]]]] = {"sync": [], "async": []}
+    sides = ([] if args.skip_sync else ["sync"]) + (
+        ["async"] if args.staleness is None else [f"async-{s}" for s in args.staleness])
+    results: dict[str, list[float]] = {side: [] for side in sides}
+    curves: dict[str, list[list[tuple[int, float]]]] = {side: [] for side in sides}
+    staleness: dict[str, list[dict]] = {side: [] for side in sides if side != "sync"}
     try:
         for repeat in range(args.repeats):
-            for kind in ("sync", "async") if repeat % 2 == 0 else ("async", "sync"):
+            for kind in sides if repeat % 2 == 0 else sides[::-1]:
                 model = tracerl.TrainableModel(
-                    name=f"{kind}{repeat}", project="bench", base_model=args.base_model,
+                    name=f"{kind.replace('-', '_')}{repeat}", project="bench",
+                    base_model=args.base_model,
                     config=tracerl.ModelConfig(engine=engine))
                 await model.register(backend)
                 schedule = Schedule(args)
@@ -148,18 +177,27 @@ async def measure(args: argparse.Namespace) -> dict:
                     seconds = await run_sync(model, rollout, scenarios, args.groups, args.steps,
                                              schedule)
                 else:
-                    seconds = await run_async(model, rollout, scenarios, args.groups,
-                                              args.steps, args.bound, schedule)
+                    seconds, stats = await run_async(
+                        model, rollout, scenarios, args.groups, args.steps, args.bound, schedule,
+                        kind.removeprefix("async-") if "-" in kind else "admit")
+                    staleness[kind].append(stats)
                 results[kind].append(args.steps * 60 / seconds)
                 curves[kind].append(schedule.curve)
                 # each side as it ends, so a run cut short by its time limit still tells
                 print(json.dumps({"side": kind, "repeat": repeat, "seconds": seconds,
-                                  "steps_per_min": results[kind][-1]}), file=sys.stderr,
-                      flush=True)
+                                  "steps_per_min": results[kind][-1],
+                                  **(staleness[kind][-1] if kind != "sync" else {})}),
+                      file=sys.stderr, flush=True)
     finally:
         await backend.close()
     best = {k: max(v) for k, v in results.items()}
-    out = {"steps_per_min": results, "best": best, "ratio": best["async"] / best["sync"]}
+    out: dict = {"steps_per_min": results, "best": best}
+    if "sync" in best:
+        out["ratio"] = {k: v / best["sync"] for k, v in best.items() if k != "sync"}
+    elif {"async-admit", "async-drop"} <= best.keys():
+        out["ratio_admit_over_drop"] = best["async-admit"] / best["async-drop"]
+    if staleness:
+        out["staleness"] = staleness
     if args.task == "numbers":
         out["held_out_reward_by_step"] = curves
     return out
@@ -174,6 +212,10 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[4, 16, 48])
     ap.add_argument("--env-s", type=float, nargs="+", default=[0.0, 1.0, 3.0])
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--staleness", nargs="+", choices=["drop", "admit"],
+                    help="run the async side once per staleness policy (default: the "
+                    "pipeline's default, one async side)")
+    ap.add_argument("--skip-sync", action="store_true", help="leave the synchronous side out")
     ap.add_argument("--engine", default="transformers")
     ap.add_argument("--base-model", default="smollm2")
     ap.add_argument("--task", choices=["sea", "numbers"], default="sea",

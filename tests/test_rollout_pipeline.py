@@ -1,6 +1,7 @@
 """The async off-policy pipeline on the real transformers engine and trainer (SmolLM2): the
-staleness bound holds for every trained call, a group past it is dropped, and with a bound of
-0 the pipeline trains exactly what the synchronous loop trains."""
+staleness bound holds for every trained call, a group past it is dropped (``staleness="drop"``)
+or kept by admission and pacing (``"admit"``), each step logs the lengths of kept and dropped
+rollouts, and with a bound of 0 the pipeline trains exactly what the synchronous loop trains."""
 
 from __future__ import annotations
 
@@ -75,7 +76,8 @@ async def test_a_group_past_the_bound_is_dropped_not_trained(tf_backend):
         return scripted_group(scenario)
 
     pipeline = tracerl.RolloutPipeline(model, rollout, range(4), groups_per_step=1,
-                                       max_steps_off_policy=1, train_config=FAST)
+                                       max_steps_off_policy=1, train_config=FAST,
+                                       staleness="drop")
     trained = [t async for t in pipeline.steps(max_steps=3)]
     assert [t.step for t in trained] == [1, 2, 3]
     assert [t.dropped_stale for t in trained] == [0, 0, 1]
@@ -149,3 +151,71 @@ async def test_a_failing_rollout_fails_the_pipeline_with_its_error(tf_backend):
     pipeline = tracerl.RolloutPipeline(model, rollout, range(2), groups_per_step=1)
     with pytest.raises(RuntimeError, match="scenario 0 broke"):
         await asyncio.wait_for(anext(pipeline.steps()), 60)
+
+
+SLOW_S = 12.0  # a slow rollout's environment wait: longer than a training step here
+
+
+async def sea_group(model, scenario: int) -> tracerl.TrajectoryGroup:
+    """Every third scenario is slow: a longer sampled answer, then an environment wait of
+    ``SLOW_S`` (a tool, an opponent); the others answer in two tokens and return."""
+    slow = scenario % 3 == 0
+
+    async def one(reward: float) -> tracerl.Trajectory:
+        messages = [{"role": "user", "content": f"Tell me about the sea, {scenario}."}]
+        r = await model.openai_client().chat.completions.create(
+            model=model.name, messages=messages, max_tokens=12 if slow else 2, temperature=1.0)
+        if slow:
+            await asyncio.sleep(SLOW_S)
+        return tracerl.Trajectory(reward=reward, messages_and_choices=[*messages, r.choices[0]])
+
+    return await tracerl.TrajectoryGroup([one(0.0), one(1.0)])
+
+
+async def run_sea(backend, name: str, staleness: str) -> tuple[list, list[dict]]:
+    model = await new_model(backend, name, resident_adapters=2)
+    pipeline = tracerl.RolloutPipeline(
+        model, lambda m, s, c: sea_group(m, s), range(6), groups_per_step=1,
+        max_steps_off_policy=1, train_config=FAST, staleness=staleness)
+    trained = [t async for t in pipeline.steps()]
+    return trained, await model.history()
+
+
+def trained_scenarios(trained) -> list[int]:
+    return sorted(int(g.trajectories[0].messages_and_choices[0]["content"].split(", ")[1][:-1])
+                  for t in trained for g in t.groups)
+
+
+async def test_drop_loses_slow_groups_and_admit_keeps_them_within_the_bound(tf_backend):
+    """One slow rollout kind (scenarios 0 and 3) among fast ones, one group a step, bound 1.
+    ``drop``: the slow group started beside the first step is two versions old when it ends,
+    and is dropped (it is logged under ``dropped``). ``admit``: the trainer waits for a running
+    group at its last chance, so every group is trained, none beyond the bound. Each step's
+    ``pipeline`` line has the kept (and dropped) rollouts' lengths."""
+    backend, _ = tf_backend
+    dropping, history = await run_sea(backend, "sea_drop", "drop")
+    dropped = sum(t.dropped_stale for t in dropping)
+    assert dropped >= 1 and 0 not in trained_scenarios(dropping)
+    assert all(lag <= 1 for t in dropping for lag in t.steps_off_policy)
+    lines = [h for h in history if h["split"] == "pipeline"]
+    assert [h["step"] for h in lines] == [t.step for t in dropping]
+    assert sum(h["dropped_groups"] for h in lines) == dropped
+    with_drops = [h for h in lines if h["dropped_groups"]]
+    assert all(h["dropped_rollout_s"] >= SLOW_S and h["dropped_rollout_tokens"] > 0
+               for h in with_drops), with_drops
+    assert [h["split"] for h in history if h["step"] == with_drops[0]["step"]].count(
+        "dropped") == 1  # the dropped group itself, saved
+    for t in dropping:
+        assert t.metrics["pipeline/kept_groups"] == len(t.groups)
+
+    admitting, history = await run_sea(backend, "sea_admit", "admit")
+    assert sum(t.dropped_stale for t in admitting) == 0
+    assert trained_scenarios(admitting) == list(range(6))
+    assert all(lag <= 1 for t in admitting for lag in t.steps_off_policy)
+    lines = [h for h in history if h["split"] == "pipeline"]
+    assert [h["step"] for h in lines] == [t.step for t in admitting]
+    assert all(h["dropped_groups"] == 0 and "dropped_rollout_s" not in h for h in lines)
+    kept_s = [h["kept_rollout_s"] for h in lines]
+    assert max(kept_s) >= SLOW_S > min(kept_s)  # the slow groups were trained, and fast ones
+    assert all(h["kept_rollout_tokens"] > 0 for h in lines)
+    assert "dropped" not in {h["split"] for h in history}

@@ -5,7 +5,11 @@ model (transformers engine by default) and loads it as the trainer would, then c
 chat template round-trips (render -> tokens -> text), that the engine's prompt tokens are the
 trainer's rendering, that engine and trainer logprobs agree on a few sequences, and that an
 adapter swap changes the served logprobs (and the trainer still agrees). The run check applies
-every step-health item (:mod:`tracerl.backend.training.health`) to the run's history.
+every step-health item (:mod:`tracerl.backend.training.health`) to the run's history, and
+explains an agent run in agent terms (``agent/...``): tool-call validity, LLM calls (turns)
+per rollout, calls that reached the gateway outside a rollout or after it, and whether its
+equal-reward groups mean no signal or a solved task (all rollouts at the top reward, or
+held-out success near 1: reported as solved, not as a failure).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import importlib.util
+import json
 import math
 import platform
 import shutil
@@ -32,6 +37,9 @@ STATUSES = ("pass", "warn", "fail")
 SUPPORTED = {"torch": ">=2.4", "transformers": ">=5.16,<5.20", "peft": ">=0.17",
              "vllm": ">=0.10", "unsloth": ">=2025.1"}
 LOGPROB_TOLERANCE = 0.05  # mean |engine - trainer| per token, nats
+SOLVED_SUCCESS = 0.9  # held-out ``metrics/success`` from which equal rewards mean "solved"
+TOP_REWARD = 1.0  # a step whose every rollout got this (ART's reward scale) solved its tasks
+TOOL_VALID = (0.5, 0.9)  # tool-call validity below: fail, warn
 
 
 @dataclass
@@ -265,8 +273,23 @@ async def _swap_check(backend: Any, model: Any, policy: Any, route: Any, before:
 
 # --- a run's folder ---------------------------------------------------------------------------
 
+def _solved(h: dict[str, Any], best: float, held_out: float | None) -> bool:
+    """A step whose groups were all equal because every rollout got the top reward: the run's
+    best, and the reward scale's top (1) or with held-out success near 1."""
+    if float(h.get("reward_std", 1.0) or 0.0) != 0.0 or "reward" not in h:
+        return False
+    reward = float(h["reward"])
+    return reward >= best and (reward >= TOP_REWARD or (
+        held_out is not None and held_out >= SOLVED_SUCCESS and reward > 0))
+
+
+def _held_out_success(history: list[dict[str, Any]]) -> float | None:
+    scored = [h for h in history if h.get("split") == "val" and "metrics/success" in h]
+    return float(scored[-1]["metrics/success"]) if scored else None
+
+
 def run_checks(model_dir: str | Path) -> list[Finding]:
-    """Every step-health item over the run's history, and its checkpoints."""
+    """Every step-health item over the run's history, its checkpoints, and the agent view."""
     from .backend.training.health import THRESHOLDS, step_warnings
 
     model_dir = Path(model_dir)
@@ -274,20 +297,28 @@ def run_checks(model_dir: str | Path) -> list[Finding]:
     if not history_path.exists():
         return [Finding("run", "history", "fail", f"{model_dir} has no history.jsonl",
                         "pass a model folder: .tracerl/PROJECT/models/NAME")]
-    train = [h for h in read_jsonl(history_path) if h.get("split") == "train"]
+    history = read_jsonl(history_path)
+    train = [h for h in history if h.get("split") == "train"]
     out = [Finding("run", "steps", "pass" if train else "warn",
                    f"{len(train)} training steps recorded",
                    "no training step yet: run model.train(groups)")]
     if not train:
         return out
+    held_out = _held_out_success(history)
+    best = max(float(h.get("reward", 0.0)) for h in train)
+    solved = {int(h["step"]) for h in train if _solved(h, best, held_out)}
     warned: dict[str, list[tuple[int, Any]]] = {item: [] for item in THRESHOLDS}
     for h in train:
         for w in step_warnings(h):
             warned[w.item].append((int(h["step"]), w))
     last = int(train[-1]["step"])
     for item, hits in warned.items():
+        if item == "skipped_groups" and solved:  # equal rewards of a solved task: no failure
+            hits = [(s, w) for s, w in hits if s not in solved]
         if not hits:
-            out.append(Finding("run", item, "pass", f"within threshold in all {len(train)} steps"))
+            out.append(Finding("run", item, "pass", f"within threshold in all {len(train)} steps"
+                               + (f" ({len(solved)} solved)" if item == "skipped_groups"
+                                  and solved else "")))
             continue
         steps = [s for s, _ in hits]
         status = "fail" if last in steps and len(hits) * 2 >= len(train) else "warn"
@@ -300,6 +331,122 @@ def run_checks(model_dir: str | Path) -> list[Finding]:
     if partial:
         out.append(Finding("run", "checkpoints", "warn", f"partial checkpoints: {partial}",
                            "a step crashed while saving; registering the model removes them"))
+    return out + agent_checks(model_dir, train, solved, held_out)
+
+
+# --- an agent run ---------------------------------------------------------------------------
+
+def _saved_rollouts(model_dir: Path) -> dict[int, list[Any]]:
+    """The trained trajectories of each step, as saved (``trajectories/train``)."""
+    from .core.trajectory import read_groups_jsonl
+
+    out = {}
+    for path in sorted((model_dir / "trajectories" / "train").glob("*.jsonl")):
+        out[int(path.stem)] = [t for g in read_groups_jsonl(path) for t in g.trajectories]
+    return out
+
+
+def _tool_call_valid(call: Any, completion: Any) -> bool | None:
+    """One completion of a call that offered tools: a valid tool call (known tool, arguments a
+    JSON object), an invalid attempt (unknown tool, arguments that do not parse, or tool-call
+    markup the gateway could not parse), or None (an answer in plain text)."""
+    if completion.tool_calls:
+        names = {t.get("function", {}).get("name") for t in call.request.get("tools") or []}
+        for tc in completion.tool_calls:
+            function = tc.get("function") or {}
+            try:
+                arguments = json.loads(function.get("arguments") or "{}")
+            except (TypeError, json.JSONDecodeError):
+                return False
+            if function.get("name") not in names or not isinstance(arguments, dict):
+                return False
+        return True
+    return False if "<tool_call>" in completion.text or '{"name"' in completion.text else None
+
+
+def _tool_findings(train: list[dict[str, Any]], rollouts: dict[int, list[Any]]
+                   ) -> list[Finding]:
+    fix = ("the model's tool calls do not parse or name no offered tool: serve a chat template "
+           "that renders the tools (EngineConfig(chat_template='chatml-tools')), show one call in "
+           "the prompt, and check that max_tokens does not cut calls short "
+           "(length_clipped_fraction)")
+    scored = [h for h in train if "metrics/tool_call_valid" in h]
+    if scored:  # the agent's own check, logged as a trajectory metric
+        first, last = (float(scored[i]["metrics/tool_call_valid"]) for i in (0, -1))
+        source = f"metrics/tool_call_valid over {len(scored)} steps"
+    else:  # the recorded calls that offered tools, parsed here
+        per_step = []
+        for step in sorted(rollouts):
+            verdicts = [v for t in rollouts[step] for c in t.llm_calls
+                        if c.request.get("tools") for comp in c.completions
+                        if (v := _tool_call_valid(c, comp)) is not None]
+            if verdicts:
+                per_step.append((step, sum(verdicts) / len(verdicts), len(verdicts)))
+        offered = sum(1 for ts in rollouts.values() for t in ts for c in t.llm_calls
+                      if c.request.get("tools"))
+        if not per_step:
+            if not offered:
+                return []  # no tools in this run
+            return [Finding("agent", "tool calls", "warn",
+                            f"{offered} recorded calls offered tools; the model called none",
+                            fix)]
+        first, last = per_step[0][1], per_step[-1][1]
+        attempts = sum(n for _, _, n in per_step)
+        source = f"{attempts} tool-call attempts in the recorded calls"
+    status = ("fail" if last < TOOL_VALID[0] else "warn" if last < TOOL_VALID[1] else "pass")
+    return [Finding("agent", "tool calls", status,
+                    f"valid tool calls {first:.2f} at the first step, {last:.2f} at the last "
+                    f"({source})", fix)]
+
+
+def agent_checks(model_dir: Path, train: list[dict[str, Any]], solved: set[int],
+                 held_out: float | None) -> list[Finding]:
+    """The run in agent terms: tool calls, turns per rollout, calls outside rollouts, and
+    equal-reward groups told apart from a solved task."""
+    rollouts = _saved_rollouts(model_dir)
+    out = _tool_findings(train, rollouts)
+    if rollouts:
+        turns = {s: [len(t.llm_calls) for t in ts] for s, ts in rollouts.items() if ts}
+        first, last = turns[min(turns)], turns[max(turns)]
+        empty = sum(n == 0 for ns in turns.values() for n in ns)
+        total = sum(len(ns) for ns in turns.values())
+        out.append(Finding(
+            "agent", "turns per rollout", "warn" if empty else "pass",
+            f"{sum(first) / len(first):.1f} LLM calls per rollout at the first step, "
+            f"{sum(last) / len(last):.1f} at the last (most {max(max(n) for n in turns.values())})"
+            + (f"; {empty} of {total} rollouts have no recorded call" if empty else ""),
+            "a rollout without recorded calls is trained on re-rendered text: make its calls "
+            "through model.openai_client() inside the rollout (gather_trajectory_groups or "
+            "tracerl.rollout_scope)"))
+    stray = {k: sum(float(h.get(k, 0) or 0) for h in train)
+             for k in ("unattributed_calls", "late_calls", "orphan_calls")}
+    out.append(Finding(
+        "agent", "calls outside rollouts", "warn" if any(stray.values()) else "pass",
+        f"{stray['unattributed_calls']:.0f} calls without a rollout, {stray['late_calls']:.0f} "
+        f"after their rollout finished, {stray['orphan_calls']:.0f} of rollouts no trajectory "
+        "kept: none of them trained on",
+        "the agent's LLM calls must go through model.openai_client() inside its rollout, and a "
+        "rollout finish only once every call returned (run/unattributed_calls, late_calls and "
+        "orphan_calls say which)"))
+    groups = sum(float(h.get("groups", 0) or 0) for h in train)
+    skipped = sum(float(h.get("skipped_groups", 0) or 0) for h in train)
+    seen = (f"held-out success {held_out:.2f}" if held_out is not None
+            else "no held-out success logged")
+    if solved and int(train[-1]["step"]) in solved:
+        out.append(Finding(
+            "agent", "equal-reward groups", "pass",
+            f"solved: {len(solved)} of {len(train)} steps had every rollout at the top reward "
+            f"{float(train[-1]['reward']):.3g} ({seen}); their equal rewards carry no signal "
+            "because nothing is left to learn at this difficulty, not a failure",
+            "stop here, or make the tasks harder to keep learning"))
+    else:
+        share = skipped / groups if groups else 0.0
+        out.append(Finding(
+            "agent", "equal-reward groups", "warn" if share >= 0.25 else "pass",
+            f"{skipped:.0f} of {groups:.0f} groups had equal rewards (no learning signal from "
+            f"them; {len(solved)} steps solved; {seen})",
+            "every rollout of a group scored alike: raise the group size, sample hotter, give "
+            "partial credit, or pick tasks the model solves sometimes"))
     return out
 
 

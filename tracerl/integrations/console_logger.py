@@ -31,5 +31,7 @@ class ConsoleLogger:
     @hookimpl
     def tracerl_log_metrics(self, model: ModelSpec, step: int, split: str,
                             metrics: dict[str, float]) -> None:
-        shown = ", ".join(f"{k}={metrics[k]:.4g}" for k in SHOWN if k in metrics)
+        # a split without the usual keys (e.g. the async pipeline's) shows its first ones
+        keys = [k for k in SHOWN if k in metrics] or list(metrics)[:8]
+        shown = ", ".join(f"{k}={metrics[k]:.4g}" for k in keys)
         self.log.info("%s step %d %s: %s", model.name, step, split, shown)

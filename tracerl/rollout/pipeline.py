@@ -13,6 +13,28 @@ Staleness, chosen and bounded in two ways:
 - at training: a group more than ``max_steps_off_policy`` versions behind the policy being
   trained is dropped (it counts in ``TrainedStep.dropped_stale``), never trained on.
 
+Dropping is biased: the groups that miss the bound are the slow ones (long, hard rollouts), so
+training drifts toward what finishes fast. ``staleness="admit"`` (the default) keeps finished
+work instead, in two parts:
+
+- admission by staleness: a group started at version ``v`` must be trained from version
+  ``v + max_steps_off_policy`` at the latest. A worker about to start a group estimates when it
+  would finish (now + the longest of the last :data:`DURATION_WINDOW` groups' durations) and
+  when that last batch closes (the last policy change + ``bound + 1`` mean step intervals - the
+  mean training time); if it would finish too late, the group waits for the next policy change
+  (where it has the most time), unless too few groups are running or waiting to fill the
+  trainer's batch without it;
+- pacing: the trainer does not close a batch while a running group is at its last chance (its
+  version is ``policy - bound``); such groups, oldest first, are trained in this batch (which
+  grows past ``groups_per_step`` if there are more of them). No finished group goes stale.
+
+``staleness="drop"`` is the earlier behaviour: start whenever the run-ahead bound allows, take
+finished groups in arrival order, drop those past the bound. Either way each step logs, under
+the ``pipeline`` split at the trained step (``history.jsonl`` and the loggers), the lengths of
+kept and dropped rollouts (``kept_rollout_tokens``, ``kept_rollout_s``, ``dropped_rollout_*``,
+with ``kept_groups``, ``dropped_groups``, ``held_groups``, ``wait_s``), and the dropped groups
+themselves under the ``dropped`` split (their calls are then no orphan calls).
+
 Groups within the bound are trained with the importance-sampling correction the GRPO loss
 already applies: the ratio of the current policy to the *recorded* sampling logprobs of each
 token, clipped to ``[1 - epsilon, 1 + epsilon_high]`` (PPO/GRPO's clipped surrogate). With
@@ -28,14 +50,16 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import logging
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Generic, TypeVar, cast
+from typing import TYPE_CHECKING, Generic, Literal, TypeVar, cast
 
 from ..core.config import TrainConfig
 from ..core.errors import ConfigError, NotRegisteredError
-from ..core.trajectory import Trajectory, TrajectoryGroup
+from ..core.trajectory import Trajectory, TrajectoryGroup, attach_scoped_calls
 
 if TYPE_CHECKING:
     from ..core.backend import Backend
@@ -48,6 +72,10 @@ ScenarioT = TypeVar("ScenarioT")
 ConfigT = TypeVar("ConfigT")
 RolloutFn = Callable[["TrainableModel", ScenarioT, ConfigT], Awaitable[TrajectoryGroup]]
 EvalFn = Callable[["TrainableModel", int, ConfigT], Awaitable[list[Trajectory | TrajectoryGroup]]]
+Staleness = Literal["admit", "drop"]
+STALENESS: tuple[Staleness, ...] = ("admit", "drop")
+DURATION_WINDOW = 32  # finished groups whose longest duration estimates a new group's
+PACE_WINDOW = 8  # steps whose mean interval and training time estimate the pace
 
 
 class _Done(enum.Enum):
@@ -66,6 +94,25 @@ def group_policy_version(group: TrajectoryGroup, started: int) -> int:
 
 
 @dataclass(frozen=True)
+class _Finished:
+    """A finished group waiting for the trainer: its version and how long it ran."""
+
+    group: TrajectoryGroup
+    version: int
+    seconds: float
+
+
+def _tokens_per_rollout(group: TrajectoryGroup) -> float:
+    n = len(group.trajectories)
+    return sum(t.completion_tokens for t in group.trajectories) / n if n else 0.0
+
+
+def _mean(xs: Iterable[float]) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+@dataclass(frozen=True)
 class TrainedStep:
     """One step the pipeline trained: its groups, metrics and how far off-policy they were."""
 
@@ -77,19 +124,27 @@ class TrainedStep:
 
 
 class RolloutPipeline(Generic[ScenarioT, ConfigT]):
-    """Rollout workers feeding a trainer; iterate :meth:`steps` to drive it."""
+    """Rollout workers feeding a trainer; iterate :meth:`steps` to drive it.
+
+    ``staleness`` says what keeps groups within ``max_steps_off_policy``: ``"admit"`` (hold a
+    group that would not finish in time until the next step, and pace the trainer so that no
+    finished group goes stale) or ``"drop"`` (drop what went stale); see the module's doc."""
 
     def __init__(self, model: TrainableModel, rollout_fn: RolloutFn[ScenarioT, ConfigT],
                  scenarios: Iterable[ScenarioT] | AsyncIterator[ScenarioT],
                  config: ConfigT | None = None, *, groups_per_step: int = 4,
                  max_steps_off_policy: int = 4, num_rollout_workers: int | None = None,
-                 train_config: TrainConfig | None = None) -> None:
+                 train_config: TrainConfig | None = None,
+                 staleness: Staleness = "admit") -> None:
         if groups_per_step < 1:
             raise ConfigError("groups_per_step must be >= 1")
         if max_steps_off_policy < 0:
             raise ConfigError("max_steps_off_policy must be >= 0")
         if num_rollout_workers is not None and num_rollout_workers < 1:
             raise ConfigError("num_rollout_workers must be >= 1")
+        if staleness not in STALENESS:
+            raise ConfigError(f"staleness must be one of {', '.join(STALENESS)}, "
+                              f"got {staleness!r}")
         if model.spec.config.engine.sleep_during_training:
             raise ConfigError("the async pipeline samples while the trainer trains: the servers "
                               "must stay awake (EngineConfig(sleep_during_training=False))")
@@ -102,6 +157,7 @@ class RolloutPipeline(Generic[ScenarioT, ConfigT]):
         self.model, self.rollout_fn, self.config = model, rollout_fn, config
         self.groups_per_step = groups_per_step
         self.max_steps_off_policy = max_steps_off_policy
+        self.staleness: Staleness = staleness
         self.num_rollout_workers = num_rollout_workers or groups_per_step * (
             max_steps_off_policy + 1)
         self.train_config = train_config or TrainConfig()
@@ -110,79 +166,206 @@ class RolloutPipeline(Generic[ScenarioT, ConfigT]):
         self._start = 0
         self._admitted = 0
         self._changed = asyncio.Condition()
-        self._queue: asyncio.Queue[tuple[TrajectoryGroup, int] | Exception | _Done] = (
-            asyncio.Queue())
+        self._queue: asyncio.Queue[_Finished | Exception | _Done] = asyncio.Queue()
+        # admission by staleness: what runs, and the pace it is estimated from
+        self._running: Counter[int] = Counter()  # policy version at start -> running groups
+        self._pending = 0  # groups admitted and not yet trained or dropped
+        self._training = False
+        self._held = 0  # groups held back since the last step
+        self._durations: deque[float] = deque(maxlen=DURATION_WINDOW)
+        self._intervals: deque[float] = deque(maxlen=PACE_WINDOW)
+        self._train_s: deque[float] = deque(maxlen=PACE_WINDOW)
+        self._changed_at = 0.0
+
+    @staticmethod
+    def _now() -> float:
+        return asyncio.get_running_loop().time()
 
     def _may_start(self) -> bool:
         due = self._start + self._admitted // self.groups_per_step  # the step it will train
         return self._policy >= due - self.max_steps_off_policy
 
-    async def _next_scenario(self, scenarios: AsyncIterator[ScenarioT]) -> ScenarioT | _Done:
+    def _fits(self) -> bool:
+        """Whether a group started now would finish before the batch of its last chance closes
+        (at the current pace; True while there is no pace to go by yet)."""
+        if not self._durations or not self._intervals:
+            return True
+        deadline = (self._changed_at + (self.max_steps_off_policy + 1) * _mean(self._intervals)
+                    - _mean(self._train_s))
+        return self._now() + max(self._durations) <= deadline
+
+    def _may_hold(self) -> bool:
+        """Holding a group back cannot starve the trainer: it is training (a policy change is
+        coming), or enough groups run or wait to fill its batch."""
+        return self._training or self._pending >= self.groups_per_step
+
+    def _release(self, held_at: int) -> bool:
+        """A held group starts at the next policy change, or once it fits or must run."""
+        return self._policy > held_at or self._fits() or not self._may_hold()
+
+    async def _next_scenario(self, scenarios: AsyncIterator[ScenarioT]
+                             ) -> tuple[ScenarioT, int] | _Done:
         async with self._changed:
-            await self._changed.wait_for(self._may_start)
+            held_at: int | None = None
+            while True:
+                await self._changed.wait_for(self._may_start)
+                if (self.staleness == "drop" or held_at is not None or self._fits()
+                        or not self._may_hold()):
+                    break
+                held_at = self._policy
+                self._held += 1
+                await self._changed.wait_for(functools.partial(self._release, held_at))
             try:
                 scenario = await anext(scenarios)
             except StopAsyncIteration:
                 return _DONE
             self._admitted += 1
-            return scenario
+            self._pending += 1
+            self._running[self._policy] += 1
+            return scenario, self._policy
 
     async def _worker(self, scenarios: AsyncIterator[ScenarioT]) -> None:
-        while (scenario := await self._next_scenario(scenarios)) is not _DONE:
-            started = self._policy
+        while (admitted := await self._next_scenario(scenarios)) is not _DONE:
+            scenario, started = admitted
+            began = self._now()
             try:
                 # config None (not given): the rollout_fn takes None where it takes a config
                 group = await self.rollout_fn(self.model, scenario, cast(ConfigT, self.config))
             except Exception as e:  # the trainer raises it
                 await self._queue.put(e)
                 return
+            finally:
+                async with self._changed:
+                    self._running[started] -= 1
+                    self._changed.notify_all()
             if not isinstance(group, TrajectoryGroup):
                 await self._queue.put(ConfigError(
                     f"rollout_fn must return a TrajectoryGroup, got {type(group).__name__}"))
                 return
-            await self._queue.put((group, group_policy_version(group, started)))
+            seconds = self._now() - began
+            self._durations.append(seconds)
+            await self._queue.put(_Finished(group, group_policy_version(group, started),
+                                            seconds))
         await self._queue.put(_DONE)
+
+    def _last_chance_running(self) -> bool:
+        """A running group that this batch is the last to train within the bound."""
+        oldest = self._policy - self.max_steps_off_policy
+        return any(n > 0 and version <= oldest for version, n in self._running.items())
+
+    async def _collect(self, ready: list[_Finished], workers: int, finished: list[int]
+                       ) -> tuple[list[_Finished], list[_Finished]]:
+        """The next batch and the groups dropped as stale on the way. ``ready`` holds finished
+        groups not trained yet (those left over stay in it for the next batch)."""
+        dropped: list[_Finished] = []
+        admit = self.staleness == "admit"
+
+        def fresh() -> list[_Finished]:
+            for f in [f for f in ready if self._policy - f.version > self.max_steps_off_policy]:
+                log.info("dropped a group %d versions behind (bound %d)",
+                         self._policy - f.version, self.max_steps_off_policy)
+                ready.remove(f)
+                dropped.append(f)
+            return ready
+
+        while finished[0] < workers:
+            if len(fresh()) >= self.groups_per_step and not (
+                    admit and self._last_chance_running()):
+                break
+            item = await self._queue.get()
+            while True:
+                if item is _DONE:
+                    finished[0] += 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    ready.append(item)
+                try:
+                    item = self._queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    break
+        fresh()
+        if admit:  # oldest first, and every group at its last chance
+            ready.sort(key=lambda f: f.version)
+            last = self._policy - self.max_steps_off_policy
+            size = max(self.groups_per_step, sum(f.version <= last for f in ready))
+        else:
+            size = self.groups_per_step
+        batch = ready[:size]
+        del ready[:size]
+        if dropped:
+            async with self._changed:
+                self._pending -= len(dropped)
+                self._changed.notify_all()
+        return batch, dropped
+
+    def _step_metrics(self, batch: list[_Finished], dropped: list[_Finished], lags: list[int],
+                     wait_s: float) -> dict[str, float]:
+        """The ``pipeline`` split's metrics of a step: kept and dropped groups with their mean
+        rollout length (completion tokens per rollout; seconds per group, its rollouts running
+        together), groups held back by admission, the trainer's wait for its batch, and how far
+        off-policy the kept groups were."""
+        out = {"kept_groups": float(len(batch)), "dropped_groups": float(len(dropped)),
+               "held_groups": float(self._held), "wait_s": wait_s,
+               "kept_rollout_tokens": _mean(_tokens_per_rollout(f.group) for f in batch),
+               "kept_rollout_s": _mean(f.seconds for f in batch),
+               "steps_off_policy_max": float(max(lags)),
+               "steps_off_policy_mean": _mean(map(float, lags))}
+        if dropped:  # (no mean of nothing: a curve of dropped lengths has points only here)
+            out["dropped_rollout_tokens"] = _mean(_tokens_per_rollout(f.group) for f in dropped)
+            out["dropped_rollout_s"] = _mean(f.seconds for f in dropped)
+        return out
 
     async def steps(self, max_steps: int | None = None) -> AsyncIterator[TrainedStep]:
         """Train until the scenarios run out (or ``max_steps``), yielding each trained step."""
         self._start = self._policy = await self.model.get_step()
+        self._changed_at = self._now()
         scenarios = _aiter(self._scenarios)
         workers = [asyncio.create_task(self._worker(scenarios))
                    for _ in range(self.num_rollout_workers)]
-        finished, trained = 0, 0
+        finished = [0]
+        trained = 0
+        ready: list[_Finished] = []
         try:
             while max_steps is None or trained < max_steps:
-                batch: list[TrajectoryGroup] = []
-                lags: list[int] = []
-                dropped = 0
-                while len(batch) < self.groups_per_step and finished < len(workers):
-                    item = await self._queue.get()
-                    if item is _DONE:
-                        finished += 1
-                        continue
-                    if isinstance(item, BaseException):
-                        raise item
-                    group, version = item
-                    lag = self._policy - version
-                    if lag > self.max_steps_off_policy:
-                        dropped += 1
-                        log.info("dropped a group %d versions behind (bound %d)", lag,
-                                 self.max_steps_off_policy)
-                        continue
-                    group.metadata["policy_version"] = version
-                    batch.append(group)
-                    lags.append(lag)
+                waiting = self._now()
+                batch, dropped = await self._collect(ready, len(workers), finished)
+                wait_s = self._now() - waiting
+                if dropped:
+                    await attach_scoped_calls([f.group for f in dropped])
                 if not batch:
                     return
-                metrics = await self.model.train(batch, self.train_config)
-                step = await self.model.get_step()
+                lags = [self._policy - f.version for f in batch]
+                groups = [f.group for f in batch]
+                for f in batch:
+                    f.group.metadata["policy_version"] = f.version
                 async with self._changed:
-                    self._policy = step
+                    self._training = True
                     self._changed.notify_all()
+                began = self._now()
+                try:
+                    metrics = await self.model.train(groups, self.train_config)
+                finally:
+                    async with self._changed:
+                        self._training = False
+                        self._pending -= len(batch)
+                        self._changed.notify_all()
+                step = await self.model.get_step()
+                now = self._now()
+                pipeline = self._step_metrics(batch, dropped, lags, wait_s)
+                async with self._changed:
+                    self._train_s.append(now - began)
+                    self._intervals.append(now - self._changed_at)
+                    self._changed_at, self._policy, self._held = now, step, 0
+                    self._changed.notify_all()
+                if dropped:
+                    await self.model.log([f.group for f in dropped], split="dropped", step=step)
+                await self.model.log(split="pipeline", metrics=pipeline, step=step)
                 trained += 1
-                yield TrainedStep(step, batch, {**metrics, "dropped_stale": float(dropped),
-                                                "steps_off_policy_max": float(max(lags))},
-                                  dropped, lags)
+                yield TrainedStep(step, groups, {
+                    **metrics, **{f"pipeline/{k}": v for k, v in pipeline.items()},
+                    "dropped_stale": float(len(dropped)),
+                    "steps_off_policy_max": float(max(lags))}, len(dropped), lags)
         finally:
             for w in workers:
                 w.cancel()
@@ -214,7 +397,7 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
                  num_rollout_workers: int | None = None, learning_rate: float = 1e-5,
                  train_config: TrainConfig | None = None, max_steps: int | None = None,
                  max_steps_off_policy: int = 4, eval_every_n_steps: int = 20,
-                 eval_at_start: bool = True) -> None:
+                 eval_at_start: bool = True, staleness: Staleness = "admit") -> None:
         if max_steps is not None and max_steps < 0:
             raise ConfigError("max_steps must be >= 0")
         if eval_every_n_steps < 0:
@@ -225,7 +408,8 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
         self.pipeline: RolloutPipeline[ScenarioT, ConfigT] = RolloutPipeline(
             model, rollout_fn, scenarios, config, groups_per_step=groups_per_step,
             max_steps_off_policy=max_steps_off_policy, num_rollout_workers=num_rollout_workers,
-            train_config=train_config or TrainConfig(learning_rate=learning_rate))
+            train_config=train_config or TrainConfig(learning_rate=learning_rate),
+            staleness=staleness)
         self.trained: list[TrainedStep] = []
 
     async def _eval(self, step: int) -> None:
