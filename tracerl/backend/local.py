@@ -401,7 +401,8 @@ class LocalBackend(Backend):
 
         store = self.store(model)
         taken = await asyncio.to_thread(self.gateway.rollouts.take, store, n_groups, request_id)
-        return await asyncio.to_thread(build_groups, taken, store, self.gateway.calls)
+        return await asyncio.to_thread(build_groups, taken, store, self.gateway.calls,
+                                       self.gateway.rollouts)
 
     async def external_rollouts_status(self, model: ModelLike) -> dict[str, int]:
         return self.gateway.rollouts.counts(self.store(model))

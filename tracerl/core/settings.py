@@ -161,6 +161,10 @@ TRACERL_SMOLLM2_GGUF_DIR = _declare(
 TRACERL_LITELLM_PYTHON = _optional_text(
     SERVING, "the Python of a virtualenv with LiteLLM's proxy, for tracerl proxy and "
     "LiteLLMProxy; unset: this Python")
+TRACERL_SPAN_WAIT_S = _seconds(
+    10.0, SERVING, "seconds a rollout's finish (or the hand-out of an outside service's group) "
+    "waits for the spans its calls announced, which the LiteLLM proxy posts after each answer; "
+    "past it the trajectory goes without them, with a warning")
 TRACERL_API_KEY = _optional_text(
     SERVING, "the API key of tracerl serve: RemoteBackend sends it, tracerl serve requires it "
     "(its --api-key-env may name another variable)")
