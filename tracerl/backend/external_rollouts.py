@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from ..core import settings
 from ..core.errors import (
     ConfigError,
     RequestError,
@@ -44,7 +45,6 @@ from ..core.errors import (
     RolloutNotFoundError,
     TracerlError,
 )
-from ..core import settings
 from ..core.spans import Span, awaited_span_ids, link_spans_to_calls
 from ..core.storage import ModelStore, append_jsonl, read_jsonl, validate_name
 from ..core.trajectory import (

@@ -27,8 +27,8 @@ import httpx2
 
 from ..core import settings
 from ..core.context import ROLLOUT_HEADER, TAGS_HEADER
-from ..core.spans import POSTED_SPAN_TAG
 from ..core.net import free_port, stop_process_group
+from ..core.spans import POSTED_SPAN_TAG
 
 CALLBACK_MODULE = "tracerl_proxy_callback"
 
@@ -112,8 +112,8 @@ class TracerlProxyCallback(CustomLogger):
             call_id = str(kwargs.get("litellm_call_id") or uuid.uuid4().hex)
             metadata = params.get("metadata") or {{}}
             model = str(metadata.get("model_group") or kwargs.get("model") or "")
-            span = {{"id": str(metadata.get(SPAN_KEY) or "litellm-" + call_id), "kind": "llm", "name": model,
-                    "framework": "litellm-proxy", "start_time": _seconds(start_time),
+            span = {{"id": str(metadata.get(SPAN_KEY) or "litellm-" + call_id), "kind": "llm",
+                    "name": model, "framework": "litellm-proxy", "start_time": _seconds(start_time),
                     "end_time": _seconds(end_time), "error": error,
                     "response_id": getattr(response_obj, "id", None),
                     "attributes": {{"litellm_call_id": call_id, "model": model}}}}

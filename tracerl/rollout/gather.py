@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 from tqdm.auto import tqdm
 
+from ..core import settings
 from ..core.context import (
     RolloutContext,
     current_rollout,
@@ -27,7 +28,6 @@ from ..core.context import (
     rollout_scope,
 )
 from ..core.errors import RolloutTimeoutError, TooManyExceptionsError
-from ..core import settings
 from ..core.spans import awaited_span_ids, link_spans_to_calls
 from ..core.trajectory import (
     PendingTrajectoryGroup,
