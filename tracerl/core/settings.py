@@ -179,6 +179,13 @@ TRACERL_BODY_TIMEOUT_S = _seconds(
 TRACERL_WRITE_TIMEOUT_S = _seconds(
     60.0, HTTP, "seconds a response may stay stalled, its client reading nothing, before the "
     "connection is cut")
+TRACERL_MAX_UNKEYED_PER_CLIENT = _declare(
+    "int", int, 1024, HTTP, "connections one client address may hold open before they present "
+    "the server's key (a request head with it); past it, its oldest one unkeyed for a second "
+    "is closed, or the new one is; keyed connections never count")
+TRACERL_MAX_UNKEYED = _declare(
+    "int", int, 4096, HTTP, "connections all clients together may hold open before they present "
+    "the server's key, past which the oldest one unkeyed for a second is closed, or the new one")
 
 # --- training --------------------------------------------------------------------------------
 TRACERL_DISABLE_UNSLOTH = _on_off(
