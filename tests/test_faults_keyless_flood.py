@@ -23,7 +23,7 @@ import tracerl
 FLOOD_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "keyless_flood.py"
 KEY = "sk-test-flood"
 FLOOD_ADDRESS = "127.0.0.2"
-DEADLINE_S = 10.0
+DEADLINE_S = 30.0  # generous for a loaded box: before the caps the answer was a 503 at once
 
 
 @pytest.fixture
