@@ -6,7 +6,9 @@ no rollout has to wait for its spans itself."""
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 
 import httpx2
 import pytest
@@ -153,6 +155,26 @@ async def test_an_outside_service_finishing_at_its_last_answer_gets_every_span(
     (group,) = await tracerl.gather_external_groups(agent_model, 1, timeout_s=30)
     for t, n_calls in zip(group.trajectories, (1, 2), strict=True):
         assert_every_call_has_its_span(t, n_calls)
+
+
+async def test_a_span_announced_but_never_posted_is_waited_for_until_the_deadline(
+        agent_model, monkeypatch, caplog):
+    """A call tagged with the id of a span that never comes (the proxy died before posting):
+    the rollout's finish waits ``TRACERL_SPAN_WAIT_S``, then names the span in a warning."""
+    monkeypatch.setenv("TRACERL_SPAN_WAIT_S", "0.5")
+
+    async def rollout() -> tracerl.Trajectory:
+        with tracerl.call_tags(posted_span_id="litellm-never-posted"):
+            await agent_model.openai_client().chat.completions.create(
+                model=agent_model.get_inference_name(), messages=HI, max_tokens=2)
+        return tracerl.Trajectory(reward=0.0)
+
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="tracerl.rollout.gather"):
+        (t,) = await tracerl.gather_trajectories([rollout()], show_progress=False)
+    assert time.monotonic() - started >= 0.5
+    assert len(t.llm_calls) == 1 and t.spans == []
+    assert any("litellm-never-posted" in r.getMessage() for r in caplog.records)
 
 
 async def test_a_call_the_gateway_refuses_is_a_failed_span(http, agent_model):
