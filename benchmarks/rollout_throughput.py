@@ -161,7 +161,7 @@ def gateway_variant(kind: str) -> Iterator[None]:
 
         options = http_limits.uvicorn_options
         with mock.patch.object(http_limits, "uvicorn_options",
-                               lambda: {**options(), "http": "httptools"}):
+                               lambda api_key=None: {**options(api_key), "http": "httptools"}):
             yield
     else:
         yield

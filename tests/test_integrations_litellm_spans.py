@@ -1,10 +1,14 @@
 """Spans of proxied calls: the LiteLLM proxy's callback posts one ``llm`` span per call of a
 rollout to the gateway, after the response; the span is linked to the gateway's token record,
-in trajectories gathered in-process and in those of rollouts opened by an outside service."""
+in trajectories gathered in-process and in those of rollouts opened by an outside service. The
+callback announces the span's id in the call's tags, so finishing a rollout waits for the post:
+no rollout has to wait for its spans itself."""
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 
 import httpx2
 import pytest
@@ -60,7 +64,6 @@ async def in_process(http, agent_model):
         headers = tracerl.rollout_headers(agent_model)  # the rollout collects agent's records
         r = await proxied_call(http, headers["x-rollout-id"])
         r.raise_for_status()
-        await spans_posted(agent_model, headers["x-rollout-id"])
         return tracerl.Trajectory(reward=float(i), metadata={"response_id": r.json()["id"]})
 
     (group,) = await tracerl.gather_trajectory_groups(
@@ -76,7 +79,7 @@ async def test_an_in_process_rollout_through_the_proxy_carries_its_linked_span(i
         assert span.call_id == call.id and call.metadata["span_id"] == span.id
         assert span.response_id == call.response["id"]  # linked by the provider response id
         assert span.error is None and span.start_time <= span.end_time
-        assert span.attributes["litellm_call_id"] in span.id
+        assert span.id == call.metadata["tags"]["posted_span_id"]  # announced before the call
 
 
 async def test_an_outside_services_rollout_through_the_proxy_carries_its_span(http, agent_model,
@@ -90,7 +93,6 @@ async def test_an_outside_services_rollout_through_the_proxy_carries_its_span(ht
                 "model": "agent", "group": "via-proxy", "group_size": 2})).json()
             r = await proxied_call(http, opened["rollout_id"])
             assert r.status_code == 200, r.text
-            await spans_posted(agent_model, opened["rollout_id"])
             await gateway.post(f"/v1/rollouts/{opened['rollout_id']}/finish",
                                json={"reward": reward})
             ids.append(opened["rollout_id"])
@@ -100,6 +102,79 @@ async def test_an_outside_services_rollout_through_the_proxy_carries_its_span(ht
         (call,), (span,) = t.llm_calls, t.spans
         assert (span.framework, span.call_id, span.response_id) == (
             "litellm-proxy", call.id, call.response["id"])
+
+
+async def proxied_rollout(http: httpx2.AsyncClient, model, n_calls: int) -> tracerl.Trajectory:
+    """A rollout that makes ``n_calls`` calls through the proxy, as curl would, and returns at
+    once after the last answer: its spans are still being posted."""
+    headers = tracerl.rollout_headers(model)
+    for _ in range(n_calls):
+        (await proxied_call(http, headers["x-rollout-id"])).raise_for_status()
+    return tracerl.Trajectory(reward=float(n_calls))
+
+
+def assert_every_call_has_its_span(t: tracerl.Trajectory, n_calls: int) -> None:
+    assert len(t.llm_calls) == n_calls, t.rollout_id
+    assert len(t.spans) == n_calls, (t.rollout_id, [s.id for s in t.spans])
+    for call in t.llm_calls:
+        (span,) = [s for s in t.spans if s.call_id == call.id]
+        assert call.metadata["span_id"] == span.id == call.metadata["tags"]["posted_span_id"]
+        assert (span.framework, span.response_id) == ("litellm-proxy", call.response["id"])
+
+
+async def test_rollouts_that_return_at_their_last_answer_carry_every_calls_span(
+        http, agent_model):
+    """Single-call and three-call rollouts return the moment their last proxied call answers;
+    finishing them waits for the spans their calls announced. (Before, the last call's span
+    was posted after the rollout had been finished, and was missing from its trajectory.)"""
+    single, multi = await tracerl.gather_trajectory_groups([
+        tracerl.TrajectoryGroup(proxied_rollout(http, agent_model, 1) for _ in range(4)),
+        tracerl.TrajectoryGroup(proxied_rollout(http, agent_model, 3) for _ in range(3)),
+    ], show_progress=False)
+    for group, n_calls in ((single, 1), (multi, 3)):
+        assert len(group.trajectories) == len(group) and not group.exceptions
+        for t in group.trajectories:
+            assert_every_call_has_its_span(t, n_calls)
+
+
+async def test_an_outside_service_finishing_at_its_last_answer_gets_every_span(
+        http, agent_model, tf_backend):
+    """The rollout API: the service finishes each rollout right after its last proxied call;
+    the group handed to the trainer still has a span for every call."""
+    backend, _ = tf_backend
+    async with httpx2.AsyncClient(base_url=backend.base_url.removesuffix("/v1"),
+                                  timeout=60) as gateway:
+        for n_calls in (1, 2):
+            opened = (await gateway.post("/v1/rollouts", json={
+                "model": "agent", "group": "finish-at-once", "group_size": 2})).json()
+            for _ in range(n_calls):
+                r = await proxied_call(http, opened["rollout_id"])
+                assert r.status_code == 200, r.text
+            (await gateway.post(f"/v1/rollouts/{opened['rollout_id']}/finish",
+                                json={"reward": float(n_calls)})).raise_for_status()
+    (group,) = await tracerl.gather_external_groups(agent_model, 1, timeout_s=30)
+    for t, n_calls in zip(group.trajectories, (1, 2), strict=True):
+        assert_every_call_has_its_span(t, n_calls)
+
+
+async def test_a_span_announced_but_never_posted_is_waited_for_until_the_deadline(
+        agent_model, monkeypatch, caplog):
+    """A call tagged with the id of a span that never comes (the proxy died before posting):
+    the rollout's finish waits ``TRACERL_SPAN_WAIT_S``, then names the span in a warning."""
+    monkeypatch.setenv("TRACERL_SPAN_WAIT_S", "0.5")
+
+    async def rollout() -> tracerl.Trajectory:
+        with tracerl.call_tags(posted_span_id="litellm-never-posted"):
+            await agent_model.openai_client().chat.completions.create(
+                model=agent_model.get_inference_name(), messages=HI, max_tokens=2)
+        return tracerl.Trajectory(reward=0.0)
+
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="tracerl.rollout.gather"):
+        (t,) = await tracerl.gather_trajectories([rollout()], show_progress=False)
+    assert time.monotonic() - started >= 0.5
+    assert len(t.llm_calls) == 1 and t.spans == []
+    assert any("litellm-never-posted" in r.getMessage() for r in caplog.records)
 
 
 async def test_a_call_the_gateway_refuses_is_a_failed_span(http, agent_model):

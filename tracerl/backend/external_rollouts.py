@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from ..core import settings
 from ..core.errors import (
     ConfigError,
     RequestError,
@@ -44,9 +45,10 @@ from ..core.errors import (
     RolloutNotFoundError,
     TracerlError,
 )
-from ..core.spans import Span, link_spans_to_calls
+from ..core.spans import Span, awaited_span_ids, link_spans_to_calls
 from ..core.storage import ModelStore, append_jsonl, read_jsonl, validate_name
 from ..core.trajectory import (
+    LLMCall,
     RolloutException,
     Trajectory,
     TrajectoryGroup,
@@ -221,6 +223,7 @@ class ExternalRollouts:
         self._lock = threading.Lock()  # the gateway's loop and the trainer's thread share it
         self._models: dict[Path, _ModelRollouts] = {}
         self._late_warned = 0
+        self._spans_posted = threading.Condition()  # notified after each span post is written
 
     # --- state -----------------------------------------------------------------------------
 
@@ -290,7 +293,28 @@ class ExternalRollouts:
         path = spans_path(store, rollout_id)
         with self._lock:  # one line per post: a post is kept whole or not at all
             append_jsonl(path, {"spans": [span.model_dump(mode="json") for span in spans]})
+        with self._spans_posted:
+            self._spans_posted.notify_all()
         return len(spans)
+
+    def spans_when_posted(self, store: ModelStore, rollout_id: str, calls: list[LLMCall],
+                          deadline: float) -> list[Span]:
+        """The spans posted for ``rollout_id``, once every span that ``calls`` announced is
+        among them (a proxy posts a call's span after its answer) or ``deadline`` (monotonic)
+        has passed; then the missing ones are named in a warning."""
+        with self._spans_posted:
+            while True:
+                spans = read_spans(store, rollout_id)
+                missing = awaited_span_ids(spans, calls)
+                left = deadline - time.monotonic()
+                if not missing:
+                    return spans
+                if left <= 0:
+                    log.warning("rollout %s: %d span(s) its calls announced were not posted in "
+                                "time (TRACERL_SPAN_WAIT_S), so its trajectory goes without "
+                                "them: %s", rollout_id, len(missing), ", ".join(sorted(missing)))
+                    return spans
+                self._spans_posted.wait(left)
 
     def _store_for_spans(self, rollout_id: str, model: str | None) -> ModelStore:
         """The model whose rollout this is: the rollout API's, else the one with calls recorded
@@ -426,9 +450,11 @@ class ExternalRollouts:
 
 
 def build_groups(rollouts: list[list[ExternalRollout]], store: ModelStore,
-                 calls: CallStore) -> list[TrajectoryGroup]:
+                 calls: CallStore, api: ExternalRollouts) -> list[TrajectoryGroup]:
     """Trajectory groups of handed-out rollouts: their recorded calls, posted spans (linked to
-    the calls), rewards and metrics; a failed rollout is its group's exception."""
+    the calls; the spans the calls announced are waited for, until ``TRACERL_SPAN_WAIT_S``),
+    rewards and metrics; a failed rollout is its group's exception."""
+    deadline = time.monotonic() + settings.TRACERL_SPAN_WAIT_S.get()
     groups = []
     for members in rollouts:
         trajectories, exceptions = [], []
@@ -438,10 +464,10 @@ def build_groups(rollouts: list[list[ExternalRollout]], store: ModelStore,
                     type="ExternalRolloutFailed", message=r.error or "failed (no error given)",
                     traceback="", rollout_id=r.rollout_id))
                 continue
+            recorded = calls.take(store, r.rollout_id)
             t = Trajectory(rollout_id=r.rollout_id, reward=r.reward or 0.0, metrics=r.metrics,
-                           metadata={**r.metadata, "external": True},
-                           llm_calls=calls.take(store, r.rollout_id),
-                           spans=read_spans(store, r.rollout_id),
+                           metadata={**r.metadata, "external": True}, llm_calls=recorded,
+                           spans=api.spans_when_posted(store, r.rollout_id, recorded, deadline),
                            start_time=r.created_at, end_time=r.finished_at)
             link_spans_to_calls(t.spans, t.llm_calls)
             fill_messages_from_calls(t)

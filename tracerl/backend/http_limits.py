@@ -18,15 +18,28 @@ A connection cut at that deadline is closed gracefully: a FIN is sent at once, w
 still sends is read and dropped, and the socket goes when the client closes its side or
 ``LINGER_S`` later. Closing a socket outright while the client is mid-write makes the kernel send
 a reset, which can destroy a response the client has not read yet (a 408 to a trickled body).
+
+Connections that hold no key cannot crowd out those that do. uvicorn's ``limit_concurrency``
+answered 503 to every request once that many connections were open, so a flood of half-sent
+requests from one keyless client locked out every caller and ``/health``. Here a connection is
+*unkeyed* until a request head carrying the server's key arrives on it (any head, on a server
+without a key); :class:`Admission` caps the unkeyed connections of each client address and of
+all clients: past a cap, the oldest unkeyed connection that has had ``STALE_S`` to send its head
+is aborted, and when none has, the new connection is. A keyed connection never counts, and only
+running requests count against ``limit_concurrency`` (keyless ones against half of it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
+from uvicorn._types import ASGIReceiveCallable, ASGISendCallable, Scope
+from uvicorn.protocols.http.flow_control import service_unavailable
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..core import settings
@@ -34,6 +47,8 @@ from ..core import settings
 HEAD_TIMEOUT_S = settings.TRACERL_HEAD_TIMEOUT_S.default
 WRITE_TIMEOUT_S = settings.TRACERL_WRITE_TIMEOUT_S.default
 LINGER_S = 2.0
+STALE_S = 1.0  # an unkeyed connection this old may be closed to admit a new one
+LIMIT_CONCURRENCY = 4096  # running requests (keyless ones: half of it) before a 503
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +63,105 @@ def write_timeout_s() -> float:
     return settings.TRACERL_WRITE_TIMEOUT_S.get()
 
 
+class Admission:
+    """One server's unkeyed connections, oldest first, overall and by client address."""
+
+    def __init__(self, per_client: int, total: int) -> None:
+        self.per_client, self.total = per_client, total
+        self.unkeyed: dict[BoundedH11Protocol, float] = {}  # -> when it opened (monotonic)
+        self.by_client: dict[str, dict[BoundedH11Protocol, float]] = {}
+        self.refused = 0
+
+    def admit(self, conn: BoundedH11Protocol, client: str) -> bool:
+        """Count ``conn`` as unkeyed, closing an older unkeyed one where a cap is reached;
+        False: no room (every unkeyed connection is younger than ``STALE_S``)."""
+        now = time.monotonic()
+        mine = self.by_client.setdefault(client, {})
+        if (len(mine) >= self.per_client and not self._evict_stale(mine, now)) or (
+                len(self.unkeyed) >= self.total and not self._evict_stale(self.unkeyed, now)):
+            if not mine:
+                del self.by_client[client]
+            self.refused += 1
+            if self.refused & (self.refused - 1) == 0:  # the 1st, 2nd, 4th, 8th... refusal
+                log.warning("refused a connection from %s: %d of its connections and %d in all "
+                            "hold no key yet (caps %d and %d; %d refused so far)", client,
+                            len(mine), len(self.unkeyed), self.per_client, self.total,
+                            self.refused)
+            return False
+        mine[conn] = self.unkeyed[conn] = now
+        return True
+
+    def _evict_stale(self, conns: dict[BoundedH11Protocol, float], now: float) -> bool:
+        oldest, since = next(iter(conns.items()))
+        if now - since < STALE_S:
+            return False
+        self.release(oldest)
+        oldest.transport.abort()  # no answer is owed to a connection that sent no whole head
+        return True
+
+    def release(self, conn: BoundedH11Protocol) -> None:
+        """``conn`` presented the key or closed: it no longer counts."""
+        if self.unkeyed.pop(conn, None) is None:
+            return
+        mine = self.by_client[conn.client_address]
+        del mine[conn]
+        if not mine:
+            del self.by_client[conn.client_address]
+
+
+def _admission(server_state: Any) -> Admission:
+    """The server's :class:`Admission`, kept on uvicorn's per-server state."""
+    admission: Admission | None = getattr(server_state, "tracerl_admission", None)
+    if admission is None:
+        admission = Admission(settings.TRACERL_MAX_UNKEYED_PER_CLIENT.get(),
+                              settings.TRACERL_MAX_UNKEYED.get())
+        server_state.tracerl_admission = admission
+    return admission
+
+
 class BoundedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a deadline on each request head and on each stalled write."""
+    """uvicorn's h11 protocol with a deadline on each request head and on each stalled write,
+    and room kept for connections that present the key (``api_key``; None: any request head)."""
+
+    api_key: bytes | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.head_timeout_s = head_timeout_s()
         self.write_timeout_s = write_timeout_s()
         self._deadlines: dict[str, asyncio.TimerHandle] = {}  # "head", "write", "linger"
+        self.admission = _admission(self.server_state)
+        self.task_limit = self.limit_concurrency
+        self.limit_concurrency = None  # uvicorn's check counts idle connections too: ours runs
+        self.keyed = False
+        self.client_address = ""
+        self.inner_app = self.app
+        self.app = self._admit_request
+
+    def _presents_key(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        if self.api_key is None:
+            return True
+        for name, value in headers:
+            if name == b"authorization":
+                token = value[7:] if value[:7].lower() == b"bearer " else b""
+                return hmac.compare_digest(token, self.api_key)
+        return False
+
+    async def _admit_request(self, scope: Scope, receive: ASGIReceiveCallable,
+                             send: ASGISendCallable) -> None:
+        """The app behind the admission: a keyed request marks its connection keyed; a 503
+        when running requests reach the limit (keyless ones: half of it)."""
+        keyed = self.keyed or self._presents_key(scope.get("headers", []))  # type: ignore[arg-type]
+        if keyed and not self.keyed:
+            self.keyed = True
+            self.admission.release(self)
+        limit = self.task_limit
+        if limit is not None and len(self.tasks) > (limit if keyed else limit // 2):
+            log.warning("answered 503: %d requests running (limit %d, keyless ones %d)",
+                        len(self.tasks), limit, limit // 2)
+            await service_unavailable(scope, receive, send)
+            return
+        await self.inner_app(scope, receive, send)
 
     def _arm(self, deadline: str, seconds: float, expired: Callable[[], object]) -> None:
         self._disarm(deadline)
@@ -114,11 +220,16 @@ class BoundedH11Protocol(H11Protocol):
         self, transport: asyncio.Transport
     ) -> None:
         super().connection_made(transport)
+        self.client_address = self.client[0] if self.client else ""
+        if not self.admission.admit(self, self.client_address):
+            transport.abort()
+            return
         self._arm("head", self.head_timeout_s, self._head_timed_out)
 
     def connection_lost(self, exc: Exception | None) -> None:
         for deadline in list(self._deadlines):
             self._disarm(deadline)
+        self.admission.release(self)
         super().connection_lost(exc)
 
     def handle_events(self) -> None:
@@ -134,7 +245,10 @@ class BoundedH11Protocol(H11Protocol):
             self._arm("head", self.head_timeout_s, self._head_timed_out)
 
 
-def uvicorn_options() -> dict[str, Any]:
-    """The bounds every tracerl server runs uvicorn with."""
-    return {"http": BoundedH11Protocol, "timeout_keep_alive": 30, "limit_concurrency": 4096,
+def uvicorn_options(api_key: str | None = None) -> dict[str, Any]:
+    """The bounds every tracerl server runs uvicorn with; ``api_key``: the key its app requires
+    (connections presenting it are never crowded out by those that do not)."""
+    protocol = type("KeyedH11Protocol", (BoundedH11Protocol,),
+                    {"api_key": api_key.encode() if api_key is not None else None})
+    return {"http": protocol, "timeout_keep_alive": 30, "limit_concurrency": LIMIT_CONCURRENCY,
             "h11_max_incomplete_event_size": 64 * 1024}

@@ -83,7 +83,7 @@ def choose_engine(requested: str) -> type[Engine]:
 class _GatewayThread:
     """uvicorn serving the gateway app on its own loop in a daemon thread."""
 
-    def __init__(self, app: Any, host: str, port: int) -> None:
+    def __init__(self, app: Any, host: str, port: int, api_key: str | None = None) -> None:
         import uvicorn
 
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -93,7 +93,7 @@ class _GatewayThread:
         from .http_limits import uvicorn_options
 
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                **uvicorn_options())
+                                **uvicorn_options(api_key))
         self.server = uvicorn.Server(config)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self._run, name="tracerl-gateway", daemon=True)
@@ -222,7 +222,7 @@ class LocalBackend(Backend):
 
     def _gateway(self) -> _GatewayThread:
         if self._thread is None:
-            self._thread = _GatewayThread(self.gateway.app, self.host, self.port)
+            self._thread = _GatewayThread(self.gateway.app, self.host, self.port, self.api_key)
         return self._thread
 
     def run_sync(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
@@ -414,7 +414,8 @@ class LocalBackend(Backend):
 
         store = self.store(model)
         taken = await asyncio.to_thread(self.gateway.rollouts.take, store, n_groups, request_id)
-        return await asyncio.to_thread(build_groups, taken, store, self.gateway.calls)
+        return await asyncio.to_thread(build_groups, taken, store, self.gateway.calls,
+                                       self.gateway.rollouts)
 
     async def external_rollouts_status(self, model: ModelLike) -> dict[str, int]:
         return self.gateway.rollouts.counts(self.store(model))

@@ -161,6 +161,10 @@ TRACERL_SMOLLM2_GGUF_DIR = _declare(
 TRACERL_LITELLM_PYTHON = _optional_text(
     SERVING, "the Python of a virtualenv with LiteLLM's proxy, for tracerl proxy and "
     "LiteLLMProxy; unset: this Python")
+TRACERL_SPAN_WAIT_S = _seconds(
+    10.0, SERVING, "seconds a rollout's finish (or the hand-out of an outside service's group) "
+    "waits for the spans its calls announced, which the LiteLLM proxy posts after each answer; "
+    "past it the trajectory goes without them, with a warning")
 TRACERL_API_KEY = _optional_text(
     SERVING, "the API key of tracerl serve: RemoteBackend sends it, tracerl serve requires it "
     "(its --api-key-env may name another variable)")
@@ -175,6 +179,13 @@ TRACERL_BODY_TIMEOUT_S = _seconds(
 TRACERL_WRITE_TIMEOUT_S = _seconds(
     60.0, HTTP, "seconds a response may stay stalled, its client reading nothing, before the "
     "connection is cut")
+TRACERL_MAX_UNKEYED_PER_CLIENT = _declare(
+    "int", int, 1024, HTTP, "connections one client address may hold open before they present "
+    "the server's key (a request head with it); past it, its oldest one unkeyed for a second "
+    "is closed, or the new one is; keyed connections never count")
+TRACERL_MAX_UNKEYED = _declare(
+    "int", int, 4096, HTTP, "connections all clients together may hold open before they present "
+    "the server's key, past which the oldest one unkeyed for a second is closed, or the new one")
 
 # --- training --------------------------------------------------------------------------------
 TRACERL_DISABLE_UNSLOTH = _on_off(

@@ -15,6 +15,10 @@ from pydantic import Field, field_validator
 
 from .validated import Validated, check_json
 
+# the call tag naming the span that will be posted for a call after its answer (the LiteLLM
+# proxy's callback sets it): finishing a rollout waits for such spans (``awaited_span_ids``)
+POSTED_SPAN_TAG = "posted_span_id"
+
 SpanKind = Literal[
     "rollout", "chain", "node", "agent", "llm", "tool", "handoff", "guardrail", "custom"
 ]
@@ -69,11 +73,12 @@ class CallRecord(Protocol):
 def link_spans_to_calls(spans: list[Span], calls: Sequence[CallRecord]) -> None:
     """Pair LLM spans with the token records they produced.
 
-    A call is matched by the span id it was tagged with (``call_tags(span_id=...)``), or the
-    first unpaired LLM span under its tagged ``parent_span_id``, else by the provider response
-    id; LLM spans left without either are paired with the remaining calls in time order when
-    the counts agree. Matched calls get ``metadata['span_id']`` and
-    ``metadata['span_path']``; matched spans get ``call_id``.
+    A call is matched by the span id it was tagged with (``call_tags(span_id=...)``, else the
+    ``posted_span_id`` tag of a span posted after the answer), or the first unpaired LLM span
+    under its tagged ``parent_span_id``, else by the provider response id; LLM spans left
+    without either are paired with the remaining calls in time order when the counts agree.
+    Matched calls get ``metadata['span_id']`` and ``metadata['span_path']``; matched spans get
+    ``call_id``.
     """
     by_id = {s.id: s for s in spans}
     llm_spans = [s for s in spans if s.kind == "llm"]
@@ -82,7 +87,8 @@ def link_spans_to_calls(spans: list[Span], calls: Sequence[CallRecord]) -> None:
     for call in calls:
         tags = call.metadata.get("tags") or {}
         response_id = (call.response or {}).get("id")
-        span = by_id.get(tags["span_id"]) if tags.get("span_id") else None
+        span = next((by_id[tags[k]] for k in ("span_id", POSTED_SPAN_TAG)
+                     if isinstance(tags.get(k), str) and tags[k] in by_id), None)
         if span is None and tags.get("parent_span_id"):  # the first free LLM span under it
             span = next((s for s in llm_spans if s.parent_id == tags["parent_span_id"]
                          and s.call_id is None), None)
@@ -98,6 +104,14 @@ def link_spans_to_calls(spans: list[Span], calls: Sequence[CallRecord]) -> None:
             sorted(free, key=lambda s: s.start_time), unmatched_calls, strict=True
         ):
             _pair(span, call, by_id)
+
+
+def awaited_span_ids(spans: Sequence[Span], calls: Sequence[CallRecord]) -> set[str]:
+    """Ids of spans that ``calls`` announced (their ``posted_span_id`` tag) and that are not
+    among ``spans`` yet: a proxy posts a call's span after the call is answered."""
+    have = {s.id for s in spans}
+    announced = {(c.metadata.get("tags") or {}).get(POSTED_SPAN_TAG) for c in calls}
+    return {i for i in announced if isinstance(i, str) and i not in have}
 
 
 def _pair(span: Span, call: CallRecord, by_id: dict[str, Span]) -> None:

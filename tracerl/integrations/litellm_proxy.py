@@ -29,12 +29,15 @@ from ..core import settings
 from ..core.context import ROLLOUT_HEADER, TAGS_HEADER
 from ..core.errors import ConfigError
 from ..core.net import free_port, start_child, stop_process_group
+from ..core.spans import POSTED_SPAN_TAG
 
 CALLBACK_MODULE = "tracerl_proxy_callback"
 
 CALLBACK_SOURCE = f'''"""Written by tracerl: forwards rollout attribution headers to its gateway,
 and posts one `llm` span per proxied call of a rollout to the gateway's span route, after the
-response (a failed post is logged; it never fails the call)."""
+response (a failed post is logged; it never fails the call). The span's id is announced in the
+call's tags before the call goes out, so the rollout's finish knows to wait for the post."""
+import json
 import logging
 import uuid
 
@@ -43,6 +46,7 @@ from litellm.integrations.custom_logger import CustomLogger
 
 FORWARD = ({ROLLOUT_HEADER!r}, {TAGS_HEADER!r})
 ROLLOUT_KEY = "tracerl_rollout_id"  # in the call's metadata, for the log events
+SPAN_KEY = "tracerl_span_id"  # the id announced to the gateway for the span posted later
 SPAN_POST_TIMEOUT_S = 10.0
 log = logging.getLogger("tracerl.proxy")
 
@@ -55,6 +59,19 @@ def _client():
     if _span_client is None:
         _span_client = httpx.AsyncClient(timeout=SPAN_POST_TIMEOUT_S)
     return _span_client
+
+
+def _announce(tags, span_id):
+    """The tags header with the id of the span to be posted: the gateway keeps it on the call's
+    record, and finishing the rollout waits for that span. A header that is not a JSON object
+    is left as sent, for the gateway to refuse."""
+    try:
+        parsed = json.loads(tags) if tags is not None else {{}}
+    except ValueError:
+        return tags
+    if not isinstance(parsed, dict):
+        return tags
+    return json.dumps({{**parsed, {POSTED_SPAN_TAG!r}: span_id}}, separators=(",", ":"))
 
 
 def _seconds(t):
@@ -72,8 +89,11 @@ class TracerlProxyCallback(CustomLogger):
         if forward:
             data["extra_headers"] = {{**(data.get("extra_headers") or {{}}), **forward}}
         if {ROLLOUT_HEADER!r} in forward:
+            span_id = "litellm-" + uuid.uuid4().hex
+            forward[{TAGS_HEADER!r}] = _announce(forward.get({TAGS_HEADER!r}), span_id)
+            data["extra_headers"] = {{**data["extra_headers"], **forward}}
             data["metadata"] = {{**(data.get("metadata") or {{}}),
-                                ROLLOUT_KEY: forward[{ROLLOUT_HEADER!r}]}}
+                                ROLLOUT_KEY: forward[{ROLLOUT_HEADER!r}], SPAN_KEY: span_id}}
         return data
 
     async def async_log_success_event(self, kwargs, response_obj, start_time, end_time):
@@ -93,8 +113,8 @@ class TracerlProxyCallback(CustomLogger):
             call_id = str(kwargs.get("litellm_call_id") or uuid.uuid4().hex)
             metadata = params.get("metadata") or {{}}
             model = str(metadata.get("model_group") or kwargs.get("model") or "")
-            span = {{"id": "litellm-" + call_id, "kind": "llm", "name": model,
-                    "framework": "litellm-proxy", "start_time": _seconds(start_time),
+            span = {{"id": str(metadata.get(SPAN_KEY) or "litellm-" + call_id), "kind": "llm",
+                    "name": model, "framework": "litellm-proxy", "start_time": _seconds(start_time),
                     "end_time": _seconds(end_time), "error": error,
                     "response_id": getattr(response_obj, "id", None),
                     "attributes": {{"litellm_call_id": call_id, "model": model}}}}

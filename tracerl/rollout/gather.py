@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 import math
 import sys
 import time
@@ -18,6 +19,7 @@ from typing import Any, NoReturn
 
 from tqdm.auto import tqdm
 
+from ..core import settings
 from ..core.context import (
     RolloutContext,
     current_rollout,
@@ -26,7 +28,7 @@ from ..core.context import (
     rollout_scope,
 )
 from ..core.errors import RolloutTimeoutError, TooManyExceptionsError
-from ..core.spans import link_spans_to_calls
+from ..core.spans import awaited_span_ids, link_spans_to_calls
 from ..core.trajectory import (
     PendingTrajectoryGroup,
     RolloutException,
@@ -41,6 +43,9 @@ from ..events.lifecycle import trajectory_finished
 from .client import CLOSED_KEY
 
 DEFAULT_ROLLOUT_TIMEOUT_S = 600.0
+SPAN_POLL_FIRST_S, SPAN_POLL_MAX_S = 0.01, 0.25  # polls for spans posted after the answer
+
+log = logging.getLogger(__name__)
 
 AfterEach = Callable[[TrajectoryGroup], Awaitable[TrajectoryGroup | list[TrajectoryGroup] | None]]
 
@@ -155,11 +160,26 @@ async def _attach_calls(trajectory: Trajectory, rollout: RolloutContext) -> None
 
 async def _attach_spans(trajectory: Trajectory, rollout: RolloutContext) -> None:
     """Attach adapter spans, and those posted to the gateway (LiteLLM proxy), and link each
-    LLM span to its token record."""
+    LLM span to its token record. A proxy posts a call's span after the answer, so spans the
+    calls announced are waited for, until ``TRACERL_SPAN_WAIT_S``."""
     if rollout.spans and not trajectory.spans:
         trajectory.spans = list(rollout.spans)
-    have = {s.id for s in trajectory.spans}
-    trajectory.spans.extend(s for s in await spans_of(rollout) if s.id not in have)
+    wait_s = settings.TRACERL_SPAN_WAIT_S.get()
+    deadline = time.monotonic() + wait_s
+    pause = SPAN_POLL_FIRST_S
+    while True:
+        have = {s.id for s in trajectory.spans}
+        trajectory.spans.extend(s for s in await spans_of(rollout) if s.id not in have)
+        missing = awaited_span_ids(trajectory.spans, trajectory.llm_calls)
+        if not missing:
+            break
+        if time.monotonic() + pause > deadline:
+            log.warning("rollout %s: %d span(s) its calls announced were not posted within "
+                        "%g s (TRACERL_SPAN_WAIT_S), so its trajectory goes without them: %s",
+                        rollout.rollout_id, len(missing), wait_s, ", ".join(sorted(missing)))
+            break
+        await asyncio.sleep(pause)  # a poll with a deadline: the post lands on the gateway
+        pause = min(pause * 2, SPAN_POLL_MAX_S)
     link_spans_to_calls(trajectory.spans, trajectory.llm_calls)
 
 
