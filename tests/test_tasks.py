@@ -149,7 +149,7 @@ def test_eval_of_a_folder_that_is_no_model(tmp_path):
 async def test_agent_demo_learns_to_use_the_tool(tmp_path):
     """``tracerl demo --task agent``: the LangGraph tool agent's held-out success (greedy,
     problems it never trained on) rises by at least 0.3 over the base model's."""
-    from tracerl.tasks.agent_demo import agent_demo
+    from tracerl.agent_demo import agent_demo
 
     result = await agent_demo(steps=10, engine="transformers", base_path=str(tmp_path),
                               eval_n=16)

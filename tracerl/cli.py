@@ -70,7 +70,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.task == "agent":
         import asyncio
 
-        from .tasks.agent_demo import agent_demo
+        from .agent_demo import agent_demo
 
         engine = "transformers" if args.engine == "auto" else args.engine
         asyncio.run(agent_demo(steps=args.steps or 10, engine=engine, base_path=args.base_path,

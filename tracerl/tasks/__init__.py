@@ -1,10 +1,12 @@
 """tasks: a catalog of agent tasks from libraries nobody here wrote, to show and measure an
-agent learning (``pip install 'tracerl[tasks]'``; nothing here is imported by the core).
+agent learning (``pip install 'tracerl[tasks]'``; nothing here is imported by the core: the catalog sits on
+top, using the public API as a user does).
 
 - ``base.py``: :class:`Task` (items in a train and a disjoint held-out split, an agent, its
   library's scorer) and :func:`split_of`.
-- ``runner.py``: :func:`evaluate` (held-out, logged as ``val``) and :func:`train_task`.
 - ``catalog.py``: the tasks by name (:func:`get_task`, :data:`TASK_NAMES`).
+- ``runner.py``: :func:`evaluate` (held-out, logged as ``val``) and :func:`train_task`.
+- ``compare.py``: ``tracerl eval``: a model's steps side by side on a held-out split.
 - one module per task: ``tool_products.py`` (reasoning-gym, LangGraph), ...
 """
 

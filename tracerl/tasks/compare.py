@@ -61,14 +61,15 @@ async def eval_steps(model_dir: Path, task_name: str, steps: str, *, n: int, sam
                      temperature: float, seed: int, engine: str, log: bool
                      ) -> dict[int, dict[str, float]]:
     """Evaluate each of ``steps`` of the model in ``model_dir`` on ``task_name``."""
-    import tracerl
+    from ..backend.local import LocalBackend
+    from ..rollout.model import TrainableModel
 
     task = get_task(task_name)
     base_path, spec = read_spec(model_dir)
     if not spec.base_model:
         raise ConfigError(f"{model_dir}: the model has no base_model to serve")
-    backend = tracerl.LocalBackend(path=base_path, engine=None if engine == "auto" else engine)
-    model: Any = tracerl.TrainableModel(name=spec.name, project=spec.project,
+    backend = LocalBackend(path=base_path, engine=None if engine == "auto" else engine)
+    model: Any = TrainableModel(name=spec.name, project=spec.project,
                                         base_model=spec.base_model, config=spec.config)
     results: dict[int, dict[str, float]] = {}
     try:

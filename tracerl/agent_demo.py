@@ -9,10 +9,10 @@ import sys
 import time
 from typing import Any
 
-from ..core.config import TrainConfig
-from .catalog import get_task
-from .compare import table
-from .runner import train_task
+from .core.config import TrainConfig
+from .tasks.catalog import get_task
+from .tasks.compare import table
+from .tasks.runner import train_task
 
 log = logging.getLogger(__name__)
 TASK = "tool-products"
@@ -24,7 +24,7 @@ async def agent_demo(steps: int, engine: str, base_path: str, seed: int = 0,
     """Train the tool agent for ``steps`` steps; returns the held-out evaluations by step."""
     import tracerl
 
-    from ..demo import quiet_third_party, write_plots
+    from .demo import quiet_third_party, write_plots
 
     quiet_third_party()
     task = get_task(TASK)
