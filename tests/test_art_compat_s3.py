@@ -163,7 +163,7 @@ async def test_training_resumes_on_another_backend_from_the_pushed_checkpoint(
         await other._experimental_pull_from_s3(again, verbose=True)
         assert await again.get_step() == 1
         # the pulled adapter is served at once
-        assert other.gateway.models[("sync", "resumed")].step == 1
+        assert other.gateway.models["sync/resumed"].step == 1
         await _step(again)
         assert await again.get_step() == 2
         store = other.store(again)
