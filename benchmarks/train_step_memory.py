@@ -96,13 +96,15 @@ def main() -> None:
         micro_batch_tokens=args.micro_batch_tokens,
         gradient_checkpointing=args.gradient_checkpointing))
     seconds = time.perf_counter() - started
+    peak = rss_kib("VmHWM")
     print(json.dumps({
-        "shape": args.shape, "vocab": args.vocab if args.shape == "tiny" else 49152, "rows": args.rows, "tokens_per_row": args.tokens,
+        "shape": args.shape, "vocab": args.vocab if args.shape == "tiny" else 49152,
+        "rows": args.rows, "tokens_per_row": args.tokens,
         "step_tokens": args.rows * args.tokens, "micro_batches": metrics["micro_batches"],
         "micro_batch_tokens": args.micro_batch_tokens,
         "gradient_checkpointing": args.gradient_checkpointing,
-        "rss_before_gib": round(before / 2**20, 3), "peak_rss_gib": round(rss_kib("VmHWM") / 2**20, 3),
-        "step_peak_gib": round((rss_kib("VmHWM") - before) / 2**20, 3),
+        "rss_before_gib": round(before / 2**20, 3), "peak_rss_gib": round(peak / 2**20, 3),
+        "step_peak_gib": round((peak - before) / 2**20, 3),
         "rss_after_gib": round(rss_kib() / 2**20, 3), "seconds": round(seconds, 1)}))
 
 

@@ -96,7 +96,7 @@ def test_a_pull_of_the_latest_step_only_and_excluded_parts(s3_endpoint, tmp_path
     pull(target, url, only_step="latest", exclude=["trajectories"])
     assert target.checkpoint_steps() == [4]
     assert not (target.root / "trajectories").exists()
-    with pytest.raises(tracerl.ConfigError, match="only_step: .* no checkpoint 7"):
+    with pytest.raises(tracerl.ConfigError, match=r"only_step: .* no checkpoint 7"):
         pull(target, url, only_step=7)
     with pytest.raises(tracerl.ConfigError, match="exclude: unknown parts"):
         pull(target, url, exclude=["weights"])
@@ -119,7 +119,7 @@ def test_no_bucket_and_nothing_to_pull_are_errors_naming_what_is_missing(
         s3_endpoint, tmp_path, monkeypatch):
     store = ModelStore(tmp_path, "sync", "absent")
     monkeypatch.delenv("BACKUP_BUCKET", raising=False)
-    with pytest.raises(tracerl.ConfigError, match="s3_bucket: .*BACKUP_BUCKET"):
+    with pytest.raises(tracerl.ConfigError, match=r"s3_bucket: .*BACKUP_BUCKET"):
         model_url(store)
     monkeypatch.setenv("BACKUP_BUCKET", BUCKET)
     with pytest.raises(tracerl.ConfigError, match="nothing to pull"):

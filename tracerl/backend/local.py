@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from ..core import settings
 from ..core.backend import Backend, InferenceEndpoint, LocalTrainResult, TrainEvent, TrainResult
@@ -448,7 +448,7 @@ class LocalBackend(Backend):
     async def _experimental_pull_from_s3(
             self, model: ModelLike, *, s3_bucket: str | None = None, prefix: str | None = None,
             verbose: bool = False, delete: bool = False,
-            only_step: int | str | None = None, step: int | None = None,
+            only_step: int | Literal["latest"] | None = None, step: int | None = None,
             exclude: list[str] | None = None, latest_only: bool = False,
             storage_options: dict[str, Any] | None = None) -> None:
         """Copy a model pushed by :meth:`_experimental_push_to_s3` (here or on another machine)
@@ -460,8 +460,6 @@ class LocalBackend(Backend):
 
         if only_step is None:
             only_step = step if step is not None else ("latest" if latest_only else None)
-        if isinstance(only_step, str) and only_step != "latest":
-            raise ConfigError(f"only_step: {only_step!r} is neither a step nor 'latest'")
         spec = self._placed(model)
         store = self.store(spec)
         url = model_url(store, bucket=s3_bucket, prefix=prefix)
