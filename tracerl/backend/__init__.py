@@ -25,5 +25,7 @@ In flow order (one request, then one training step):
 - ``weights.py``: ``base_model`` to a local folder (the embedded SmolLM2 included).
 - ``training/``: rows, advantages, loss, the policy, and the step itself (``step.py``).
 - ``launchers/``: where distributed trainer ranks and replicas run (``local``, ``ray``).
+- ``object_sync.py``: a model's folder pushed to and pulled from object storage (S3 via fsspec),
+  to resume training on another machine (ART's ``_experimental_push_to_s3`` / ``_pull_from_s3``).
 - ``local.py``: ``LocalBackend``, which holds the resources: gateway, engines, policies.
 """

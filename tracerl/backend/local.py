@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from ..core import settings
 from ..core.backend import Backend, InferenceEndpoint, LocalTrainResult, TrainEvent, TrainResult
@@ -439,6 +439,61 @@ class LocalBackend(Backend):
 
     async def delete_checkpoints(self, model: ModelLike, keep_steps: set[int]) -> list[int]:
         return self.store(model).delete_checkpoints(keep_steps)
+
+    # --- ART's object-storage sync (backend/object_sync.py) ----------------------------------
+
+    async def _experimental_push_to_s3(
+            self, model: ModelLike, *, s3_bucket: str | None = None, prefix: str | None = None,
+            verbose: bool = False, delete: bool = False,
+            storage_options: dict[str, Any] | None = None) -> None:
+        """Copy the model's folder (checkpoints, history, records) to
+        ``s3://BUCKET/[PREFIX/]PROJECT/models/NAME`` (ART's layout); ``delete`` removes objects
+        there that are not here. Waits for a running step, so its checkpoint goes whole."""
+        from .object_sync import model_url, push
+
+        store = self.store(model)
+        url = model_url(store, bucket=s3_bucket, prefix=prefix)
+        async with self._train_lock:
+            result = await asyncio.to_thread(push, store, url, delete=delete,
+                                             storage_options=storage_options)
+        if verbose:
+            log.info("pushed %d files to %s", len(result.copied), url)
+
+    async def _experimental_pull_from_s3(
+            self, model: ModelLike, *, s3_bucket: str | None = None, prefix: str | None = None,
+            verbose: bool = False, delete: bool = False,
+            only_step: int | Literal["latest"] | None = None, step: int | None = None,
+            exclude: list[str] | None = None, latest_only: bool = False,
+            storage_options: dict[str, Any] | None = None) -> None:
+        """Copy a model pushed by :meth:`_experimental_push_to_s3` (here or on another machine)
+        into this backend's folder; training continues after its newest checkpoint. A
+        registered model serves that checkpoint at once and its next step trains from it.
+        ``only_step`` (or ART's older ``step`` / ``latest_only``): one checkpoint instead of
+        all; ``exclude``: any of ``checkpoints``, ``logs``, ``trajectories``."""
+        from .object_sync import model_url, pull
+
+        if only_step is None:
+            only_step = step if step is not None else ("latest" if latest_only else None)
+        spec = self._placed(model)
+        store = self.store(spec)
+        url = model_url(store, bucket=s3_bucket, prefix=prefix)
+        async with self._train_lock:
+            result = await asyncio.to_thread(
+                pull, store, url, only_step=only_step, exclude=exclude or (), delete=delete,
+                storage_options=storage_options)
+            store.recover()  # a checkpoint whose history line did not travel gets it back
+            # what this process holds of the model was read from the folder before the pull
+            policy = self._policies.pop(str(store.root), None)
+            if policy is not None:
+                await asyncio.to_thread(policy.close)
+            route = self.gateway.models.get(spec.key)
+            latest = store.latest_step()
+            if route is not None and latest > 0 and route.step != latest:
+                await self._gateway().call(
+                    route.swap_adapter(latest, store.checkpoint_dir(latest)))
+        if verbose:
+            log.info("pulled %d files from %s; newest checkpoint: step %d",
+                     len(result.copied), url, latest)
 
     async def train(self, model: ModelLike, trajectory_groups: Iterable[TrajectoryGroup],
                     *args: Any, **kwargs: Any) -> LocalTrainResult:

@@ -42,6 +42,10 @@ Model and backend (``rollout/model.py``, ``backend/local.py``):
 - ``model.litellm_completion_params(step)``; ``model.delete_checkpoints()`` keeping the best
   ``"val/reward"`` (ART's default, and its ``"split/metric"`` form).
 - ``LocalBackend(path=None, in_process=...)``: ``in_process`` is accepted and changes nothing.
+- ``backend._experimental_push_to_s3`` / ``_experimental_pull_from_s3`` (ART's bucket layout
+  and ``BACKUP_BUCKET``; ``backend/object_sync.py``, through fsspec/s3fs).
+- ``art.utils.deployment``: ART's config classes import; ``deploy_model`` fails naming
+  ``export_lora`` and ``vllm serve`` (``utils/deployment.py``).
 
 Rollouts (``rollout/gather.py``, ``rollout/dataset.py``, ``rollout/concurrency.py``):
 - ``gather_trajectory_groups(pbar_desc=, pbar_total_completion_tokens=, max_metrics=)``.

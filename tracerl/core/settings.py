@@ -267,6 +267,9 @@ VLLM_CPU_OMP_THREADS_BIND = _optional_text(
     "replica its own share")
 LITELLM_MASTER_KEY = _optional_text(
     OTHERS, "the LiteLLM proxy's master key when tracerl proxy is given no --master-key")
+BACKUP_BUCKET = _optional_text(
+    OTHERS, "ART's default bucket of backend._experimental_push_to_s3 / _pull_from_s3 when "
+    "no s3_bucket is given")
 
 # every variable above, by name
 SETTINGS: dict[str, Setting[Any]] = _named(globals())

@@ -2,7 +2,9 @@
 ``vllm serve --lora-modules`` (any vLLM server can then serve it beside its base model).
 
 ART's cloud targets (Together, W&B inference) upload to a provider's account; tracerl has no
-account to upload to, so :func:`deploy_model` names the export instead of pretending to deploy.
+account to upload to, so ART's names import (``TogetherDeploymentConfig``,
+``WandbDeploymentConfig``, ``DeploymentResult``) and :func:`deploy_model` fails when called,
+naming the export and ``vllm serve`` instead of pretending to deploy.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import shlex
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel
 
 from ..backend.engines.vllm_engine import _lora_rank_slot
 from ..backend.local import LocalBackend
@@ -69,11 +73,42 @@ async def export_lora(model: Any, backend: LocalBackend, output_dir: str | Path,
                       base_model=base, rank=rank)
 
 
-async def deploy_model(*args: Any, **kwargs: Any) -> None:
-    """ART's ``deploy_model`` uploads to a cloud provider's account; tracerl has none."""
-    raise ConfigError("tracerl does not upload adapters to a provider; export one with "
-                      "`await tracerl.utils.deployment.export_lora(model, backend, out_dir)` "
-                      "and serve it with its `vllm_serve_command()`")
+Provider = Literal["together", "wandb"]
 
 
-__all__ = ["LoRAExport", "deploy_model", "export_lora"]
+class DeploymentConfig(BaseModel):
+    """ART's base of a provider's deployment settings."""
+
+
+class TogetherDeploymentConfig(DeploymentConfig):
+    """ART's Together settings (accepted so that ART code imports; :func:`deploy_model` fails)."""
+
+    s3_bucket: str | None = None
+    prefix: str | None = None
+    wait_for_completion: bool = True
+
+
+class WandbDeploymentConfig(DeploymentConfig):
+    """ART's W&B inference settings (accepted so that ART code imports)."""
+
+
+class DeploymentResult(BaseModel):
+    """ART's answer of a deployment: the name to send as ``model``."""
+
+    inference_model_name: str
+
+
+async def deploy_model(*args: Any, **kwargs: Any) -> DeploymentResult:
+    """ART's ``deploy_model`` uploads to a cloud provider's account; tracerl has none, so this
+    fails with what to do instead: export the adapter, serve it with ``vllm serve``."""
+    provider = kwargs.get("provider", args[3] if len(args) > 3 else None)
+    target = f" to {provider}" if isinstance(provider, str) else ""
+    raise ConfigError(
+        f"tracerl does not deploy adapters{target}: export the checkpoint with "
+        "`export = await tracerl.utils.deployment.export_lora(model, backend, out_dir)` and "
+        "serve it with `vllm serve BASE_MODEL --enable-lora --lora-modules NAME=out_dir` "
+        "(the whole command line: `export.vllm_serve_command()`)")
+
+
+__all__ = ["DeploymentConfig", "DeploymentResult", "LoRAExport", "Provider",
+           "TogetherDeploymentConfig", "WandbDeploymentConfig", "deploy_model", "export_lora"]

@@ -29,9 +29,22 @@ def token_logprobs(
     return -F.cross_entropy(flat, targets.reshape(-1), reduction="none").view(targets.shape)
 
 
-def token_entropy(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    logp = torch.log_softmax(logits.float() / temperatures.unsqueeze(-1), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+ENTROPY_CHUNK = 512  # positions per pass: each pass holds a few [chunk, V] fp32 temporaries
+
+
+def token_entropy(logits: torch.Tensor, temperatures: torch.Tensor,
+                  chunk: int = ENTROPY_CHUNK) -> torch.Tensor:
+    """Entropy of ``softmax(logits / T)`` per position (``logits`` [..., V], ``temperatures``
+    [...]), computed ``chunk`` positions at a time: whole, its temporaries were several copies
+    of the micro-batch's logits."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    temps = temperatures.reshape(-1, 1)
+    out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+    for start in range(0, flat.shape[0], chunk):
+        logp = torch.log_softmax(flat[start:start + chunk].float() / temps[start:start + chunk],
+                                 dim=-1)
+        out[start:start + chunk] = -(logp.exp() * logp).sum(-1)
+    return out.view(temperatures.shape)
 
 
 def grpo_per_token_loss(

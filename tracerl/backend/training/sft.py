@@ -118,6 +118,8 @@ def _sft_update(policy: Trainer, trajectories: list[Trajectory], config: TrainSF
             loss = -(logp * t["mask"]).sum() / tokens
             loss.backward()
             loss_sum += float(loss.detach())
+            del t, logp, loss  # nothing of a micro-batch outlives it
+            policy._release_step_memory()
         norms.append(float(torch.nn.utils.clip_grad_norm_(params, 1.0)))
         policy.optimizer.step()
         losses.append(loss_sum)

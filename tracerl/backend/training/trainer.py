@@ -276,6 +276,8 @@ class Trainer(Rendering):
         if config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
             self.model.enable_input_require_grads()
+        elif getattr(self.model, "is_gradient_checkpointing", False):  # an earlier step's
+            self.model.gradient_checkpointing_disable()
         self.model.train()
         self._fill_old_logprobs(batches)
         normalizer = totals["trained_tokens" if config.loss_normalization == "token" else "rows"]
@@ -322,38 +324,53 @@ class Trainer(Rendering):
         sums = {"loss": 0.0, "ratio": 0.0, "clip_fraction": 0.0, "kl": 0.0, "entropy": 0.0,
                 "logprob_mismatch": 0.0, "engine_kl": 0.0}
         for batch in batches:
-            t = self._tensors(batch)
-            logits = self._logits(t)
-            logp = token_logprobs(logits, t["targets"], t["temps"])
-            ref = None
-            if config.beta > 0:
-                with torch.no_grad(), self.model.disable_adapter():
-                    ref = token_logprobs(self._logits(t), t["targets"], t["temps"])
-            per_token, parts = grpo_per_token_loss(
-                logp, t["old"], t["adv"], epsilon=config.epsilon, epsilon_high=config.epsilon_high,
-                beta=config.beta, ref_logp=ref, kl_bias_correction=config.kl_bias_correction,
-                loss_fn=config.loss_fn)
-            loss = reduce_loss(per_token, t["mask"], config.loss_normalization, normalizer)
-            loss.backward()
-            if not collect:
-                continue
-            m = t["mask"]
-            _keep_trainer_logprobs(batch, logp.detach(), int(t["input_ids"].shape[1]))
-            sums["loss"] += float(loss.detach()) / self.gradient_scale
-            sums["ratio"] += float(parts["ratio"][m].sum())
-            sums["clip_fraction"] += float(parts["clipped"][m].float().sum())
-            engine_diff = (logp.detach() - t["old"])[m]  # trainer - engine, per sampled token
-            sums["logprob_mismatch"] += float(engine_diff.abs().sum())
-            # KL(engine || trainer), k3 estimate over tokens the engine sampled (step health):
-            # e^d - 1 - d >= 0 for every token; in float32, e^d - d - 1 of d near 0 cancelled
-            # to slightly below 0 (a CI step with equal weights summed to -2e-9)
-            d = engine_diff.double()
-            sums["engine_kl"] += float((torch.expm1(d) - d).clamp_min(0).sum())
-            if "kl" in parts:
-                sums["kl"] += float(parts["kl"][m].sum())
-            with torch.no_grad():
-                sums["entropy"] += float(token_entropy(logits.detach()[m], t["temps"][m]).sum())
+            self._micro_batch(batch, config, normalizer, sums if collect else None)
+            # nothing of a micro-batch outlives it: what it freed goes back to the OS before the
+            # next one (glibc keeps freed heap pages; a step's RSS grew micro-batch by
+            # micro-batch without this, benchmarks/train_step_memory.py)
+            self._release_step_memory()
         return sums
+
+    def _micro_batch(self, batch: list[Row], config: TrainConfig, normalizer: float,
+                     sums: dict[str, float] | None) -> None:
+        """Forward, loss and backward of one micro-batch; adds its metrics to ``sums`` (None:
+        no metrics). Its tensors (logits, logprobs, the graph) die when it returns."""
+        t = self._tensors(batch)
+        logits = self._logits(t)
+        logp = token_logprobs(logits, t["targets"], t["temps"])
+        ref = None
+        if config.beta > 0:
+            with torch.no_grad(), self.model.disable_adapter():
+                ref = token_logprobs(self._logits(t), t["targets"], t["temps"])
+        per_token, parts = grpo_per_token_loss(
+            logp, t["old"], t["adv"], epsilon=config.epsilon, epsilon_high=config.epsilon_high,
+            beta=config.beta, ref_logp=ref, kl_bias_correction=config.kl_bias_correction,
+            loss_fn=config.loss_fn)
+        loss = reduce_loss(per_token, t["mask"], config.loss_normalization, normalizer)
+        loss.backward()
+        if sums is None:
+            return
+        m = t["mask"]
+        _keep_trainer_logprobs(batch, logp.detach(), int(t["input_ids"].shape[1]))
+        sums["loss"] += float(loss.detach()) / self.gradient_scale
+        sums["ratio"] += float(parts["ratio"][m].sum())
+        sums["clip_fraction"] += float(parts["clipped"][m].float().sum())
+        engine_diff = (logp.detach() - t["old"])[m]  # trainer - engine, per sampled token
+        sums["logprob_mismatch"] += float(engine_diff.abs().sum())
+        # KL(engine || trainer), k3 estimate over tokens the engine sampled (step health):
+        # e^d - 1 - d >= 0 for every token; in float32, e^d - d - 1 of d near 0 cancelled
+        # to slightly below 0 (a CI step with equal weights summed to -2e-9)
+        d = engine_diff.double()
+        sums["engine_kl"] += float((torch.expm1(d) - d).clamp_min(0).sum())
+        if "kl" in parts:
+            sums["kl"] += float(parts["kl"][m].sum())
+        with torch.no_grad():
+            sums["entropy"] += float(token_entropy(logits.detach()[m], t["temps"][m]).sum())
+
+    def _release_step_memory(self) -> None:
+        """Between micro-batches: hand the freed memory back (CPU; CUDA's cache is reused)."""
+        if self.device.type == "cpu":
+            return_freed_memory()
 
     def policy_logprobs(self, rows: list[Row], max_tokens: int = 8192) -> list[list[float]]:
         """The current policy's logprobs of each row's trained tokens (``tracerl doctor``
@@ -376,6 +393,8 @@ class Trainer(Rendering):
                 for j in range(start, len(row)):
                     if row.loss_mask[j] and math.isnan(row.old_logprobs[j]):
                         row.old_logprobs[j] = float(logp[i, j - start])
+            del t, logp
+            self._release_step_memory()
 
     def save(self, out_dir: Path) -> None:
         """Write the adapter (vLLM/peft loadable), optimizer state and step count."""
