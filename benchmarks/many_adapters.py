@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -51,14 +52,18 @@ def rows(n: int, tokens: int, seed: int) -> list[Row]:
                 advantage=1.0 if i % 2 else -1.0) for i in range(n)]
 
 
-def timed(fn, steps: int) -> float:
-    fn()  # warm-up
-    samples = []
-    for _ in range(steps):
-        t = time.perf_counter()
+def timed(fns: dict[str, Callable[[], object]], steps: int) -> dict[str, float]:
+    """Median seconds of each of ``fns``, run in turn ``steps`` times after a warm-up each
+    (interleaved, so that a shared machine's load drifts over all of them alike)."""
+    for fn in fns.values():
         fn()
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples)
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(steps):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t)
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def child(args: argparse.Namespace) -> dict[str, float]:
@@ -80,13 +85,13 @@ def child(args: argparse.Namespace) -> dict[str, float]:
     optimize_together(policies, data, config)
     out = {"rss_mib": rss_mib()}
     if args.child == "time":
-        out["together_s"] = timed(lambda: optimize_together(policies, data, config), args.steps)
-        out["per_adapter_s"] = timed(
-            lambda: optimize_together(policies, data, config, mixed=False), args.steps)
-        out["separate_s"] = timed(
-            lambda: [p.optimize(own, config) for p, own in zip(policies, data, strict=True)],
-            args.steps)
-        out["one_adapter_s"] = timed(lambda: policies[0].optimize(data[0], config), args.steps)
+        pairs = list(zip(policies, data, strict=True))
+        out.update(timed({
+            "together_s": lambda: optimize_together(policies, data, config),
+            "per_adapter_s": lambda: optimize_together(policies, data, config, mixed=False),
+            "separate_s": lambda: [p.optimize(own, config) for p, own in pairs],
+            "one_adapter_s": lambda: policies[0].optimize(data[0], config),
+        }, args.steps))
     return out
 
 
