@@ -25,7 +25,7 @@ from ...core.trajectory import TrajectoryGroup
 from ...core.watchdog import watch
 from . import health
 from .adapters import AdapterPolicy, optimize_together
-from .step import Serving, finish_step, heartbeats, save_step_groups, step_rows
+from .step import Serving, finish_step, heartbeats, own_calls, save_step_groups, step_rows
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ async def train_many_step(parts: list[ModelStep], config: TrainConfig, *,
                           heartbeat_s: float = 30.0) -> AsyncIterator[tuple[str, TrainEvent]]:
     """Train each of ``parts`` (distinct models) one step; yields ``(model key, event)``."""
     for part in parts:  # 1. every model's groups are on disk before anything trains on them
+        part.groups = own_calls(part.store, part.groups)  # each model trains its own calls
         save_step_groups(part.store, part.step, part.groups)
         part.store.recover()
     for part in parts:

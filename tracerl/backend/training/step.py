@@ -16,12 +16,18 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ...core.backend import TrainEvent
 from ...core.config import TrainConfig
 from ...core.metrics import summarize_groups
-from ...core.storage import STEP_METRICS, ModelStore, atomic_directory, atomic_write_text
+from ...core.storage import (
+    STEP_METRICS,
+    ModelStore,
+    atomic_directory,
+    atomic_write_text,
+    read_jsonl,
+)
 from ...core.trajectory import TrajectoryGroup, group_lines, write_groups_jsonl
 from ...core.watchdog import watch
 from . import health
@@ -53,7 +59,9 @@ async def train_step(step: int, groups: list[TrajectoryGroup], config: TrainConf
                      heartbeat_s: float = 30.0) -> AsyncIterator[TrainEvent]:
     """Train checkpoint ``step`` on ``groups``; yields started, heartbeats, done."""
     # 1. save the groups: a step's data is on disk before anything trains on it (a crashed
-    #    step is trained again from this file: backend.pending_groups)
+    #    step is trained again from this file: backend.pending_groups), each trajectory
+    #    with the calls this model served (sub-agents: others served by other models)
+    groups = own_calls(store, groups)
     save_step_groups(store, step, groups)
 
     def update(policy: Trainer) -> dict[str, float]:
@@ -65,6 +73,32 @@ async def train_step(step: int, groups: list[TrajectoryGroup], config: TrainConf
                                   load_policy=load_policy, serving=serving,
                                   heartbeat_s=heartbeat_s):
         yield event
+
+
+def own_calls(store: ModelStore, groups: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
+    """The groups as the model of ``store`` trains them: each trajectory with only the calls
+    this model served (a rollout whose sub-agents call several models holds them all). A
+    trajectory that called other models only keeps its reward (its group's advantages) and
+    trains no row of this model."""
+    out = []
+    for group in groups:
+        trajectories = []
+        for t in group.trajectories:
+            mine: set[str] = set()
+            for rollout_id in {c.rollout_id for c in t.llm_calls if c.rollout_id}:
+                path = store.calls_path(rollout_id)
+                if path.exists():
+                    mine |= {line.get("id") for line in read_jsonl(path)}
+            if all(c.id in mine for c in t.llm_calls):
+                trajectories.append(t)
+                continue
+            kept = [c for c in t.llm_calls if c.id in mine]
+            update: dict[str, Any] = {"llm_calls": kept}
+            if not kept:  # no messages to render either: they are the other models'
+                update |= {"messages_and_choices": [], "additional_histories": []}
+            trajectories.append(t.model_copy(update=update))
+        out.append(group.model_copy(update={"trajectories": trajectories}))
+    return out
 
 
 def save_step_groups(store: ModelStore, step: int, groups: list[TrajectoryGroup]) -> None:
