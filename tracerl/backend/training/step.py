@@ -88,7 +88,7 @@ def own_calls(store: ModelStore, groups: list[TrajectoryGroup]) -> list[Trajecto
             for rollout_id in {c.rollout_id for c in t.llm_calls if c.rollout_id}:
                 path = store.calls_path(rollout_id)
                 if path.exists():
-                    mine |= {line.get("id") for line in read_jsonl(path)}
+                    mine |= {str(line.get("id")) for line in read_jsonl(path)}
             if all(c.id in mine for c in t.llm_calls):
                 trajectories.append(t)
                 continue
