@@ -13,7 +13,7 @@ all linear projections; ROWS rows of TOKENS tokens per model, half of them train
       separate: N single-model steps (``AdapterPolicy.optimize``) one after another
     and of one adapter's single step (the ``N=1`` peer of the 1.6x goal)
 
-    PYTHONPATH=$PWD flock /tmp/tracerl-heavy.lock .venv/bin/python benchmarks/many_adapters.py
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/many_adapters.py --steps 3 --threads 1
 """
 
 from __future__ import annotations
@@ -102,7 +102,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--micro", type=int, default=512)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    # 1: on 2 cores shared with other work, 2 torch threads spin-wait on each other (a step
+    # measured 25x slower than with 1)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--child", choices=["time", "separate"])
     parser.add_argument("--n", type=int)
     parser.add_argument("--model")
