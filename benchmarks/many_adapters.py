@@ -82,12 +82,12 @@ def child(args: argparse.Namespace) -> dict[str, float]:
         return {"rss_mib": rss_mib()}
     shared = SharedBase(path, LORA, device="cpu")
     policies = [shared.attach(None) for _ in range(args.n)]
-    optimize_together(policies, data, config)
+    optimize_together(policies, data, config, mixed=True)
     out = {"rss_mib": rss_mib()}
     if args.child == "time":
         pairs = list(zip(policies, data, strict=True))
         out.update(timed({
-            "together_s": lambda: optimize_together(policies, data, config),
+            "together_s": lambda: optimize_together(policies, data, config, mixed=True),
             "per_adapter_s": lambda: optimize_together(policies, data, config, mixed=False),
             "separate_s": lambda: [p.optimize(own, config) for p, own in pairs],
             "one_adapter_s": lambda: policies[0].optimize(data[0], config),

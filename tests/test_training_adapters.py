@@ -30,26 +30,27 @@ from .test_training_step import _rollouts, lines_until
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_adapters_on_one_base_train_in_one_pass_as_each_alone(one_process, smollm2_path):
+@pytest.mark.parametrize("mixed", [True, False], ids=["mixed-micro-batches", "per-adapter"])
+def test_adapters_on_one_base_train_in_one_pass_as_each_alone(one_process, smollm2_path, mixed):
     """Adapter A (from the random init) and adapter B (from the reference's step-1 checkpoint,
-    Adam state included) train their rows in one shared pass: A equals the one-process step 1,
-    B the one-process step 2."""
+    Adam state included) train their rows in one step over the shared base (micro-batches
+    mixing both adapters' rows, or one adapter's each): A equals the one-process step 1, B the
+    one-process step 2."""
     shared = SharedBase(smollm2_path, LORA, device="cpu")
     a = shared.attach(one_process.init)
     b = shared.attach(one_process.root / "one-1")
     assert a.model is b.model  # one base, two named adapters
-    metrics = optimize_together([a, b], [tiny_rows(0), tiny_rows(1)], CONFIG)
+    metrics = optimize_together([a, b], [tiny_rows(0), tiny_rows(1)], CONFIG, mixed=mixed)
     for ours, reference in zip(metrics, one_process.metrics, strict=True):
         for key in ("loss", "ratio", "clip_fraction", "entropy", "grad_norm"):
             assert ours[key] == pytest.approx(reference[key], rel=1e-4), key
         assert ours["trained_tokens"] == reference["trained_tokens"]
     for policy, name in ((a, "one-1"), (b, "one-2")):
-        policy.save(one_process.root / f"together-{name}")
-    assert_same_checkpoint(one_process.root / "together-one-1", one_process.root / "one-1")
-    assert_same_checkpoint(one_process.root / "together-one-2", one_process.root / "one-2",
-                           one_process.root / "one-1")
-    assert json.loads((one_process.root / "together-one-2" / "trainer_state.json").read_text())[
-        "steps_done"] == 2
+        policy.save(one_process.root / f"together-{mixed}-{name}")
+    out = {n: one_process.root / f"together-{mixed}-{n}" for n in ("one-1", "one-2")}
+    assert_same_checkpoint(out["one-1"], one_process.root / "one-1")
+    assert_same_checkpoint(out["one-2"], one_process.root / "one-2", one_process.root / "one-1")
+    assert json.loads((out["one-2"] / "trainer_state.json").read_text())["steps_done"] == 2
 
 
 def test_n_adapters_cost_the_base_once_plus_n_adapters(smollm2_path):

@@ -174,12 +174,13 @@ class AdapterPolicy(Trainer):
 
 
 def optimize_together(policies: list[AdapterPolicy], rows: list[list[Row]], config: TrainConfig,
-                      mixed: bool = True) -> list[dict[str, float]]:
+                      mixed: bool = False) -> list[dict[str, float]]:
     """One step of each policy (all on one base) on its ``rows``, their rows in shared
     forward/backward passes; each policy's update is the one of training it alone.
 
-    ``mixed``: micro-batches mix rows of different adapters (routed per row); else each
-    micro-batch holds one adapter's rows. Returns each policy's step metrics.
+    ``mixed``: micro-batches mix rows of different adapters (routed per row); else (the
+    default, measured faster on CPU: ``benchmarks/many_adapters.py``) each micro-batch holds
+    one adapter's rows. Returns each policy's step metrics.
     """
     shared = policies[0].shared
     if any(p.shared is not shared for p in policies) or len(set(map(id, policies))) < len(
