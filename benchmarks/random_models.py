@@ -18,6 +18,10 @@ SHAPES: dict[str, dict] = {
     "smollm2-135m": dict(arch="llama", hidden_size=576, intermediate_size=1536,
                          num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                          vocab_size=49152, tie_word_embeddings=True),
+    # a small llama for CPU benchmarks that run many models (benchmarks/many_adapters.py)
+    "tiny-llama": dict(arch="llama", hidden_size=256, intermediate_size=704,
+                       num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                       vocab_size=49152, tie_word_embeddings=True),
     "qwen2.5-0.5b": dict(arch="qwen2", hidden_size=896, intermediate_size=4864,
                          num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                          vocab_size=151936, tie_word_embeddings=False),

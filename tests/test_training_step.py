@@ -240,21 +240,23 @@ def test_resume_after_kill_9_trains_the_pending_step_from_its_saved_trajectories
 
 
 async def test_a_policy_closed_to_bound_memory_reloads_exactly_from_its_checkpoint(tf_backend):
-    """With one resident policy, training model B closes model A's; A's policy then reloads
-    from its newest checkpoint with the same LoRA weights and Adam state it had."""
+    """With one resident policy, training model B (another LoRA shape: its own base weights)
+    closes model A's; A's policy then reloads from its newest checkpoint with the same LoRA
+    weights and Adam state it had."""
     import torch
 
     from tracerl.core.model_spec import spec_of
 
     backend, _ = tf_backend
-    a, b = (tracerl.TrainableModel(name=f"resident-{x}", project="tests", base_model="smollm2")
-            for x in "ab")
+    a, b = (tracerl.TrainableModel(name=f"resident-{x}", project="tests", base_model="smollm2",
+                                   config=tracerl.ModelConfig(lora=tracerl.LoraConfig(r=r)))
+            for x, r in (("a", 8), ("b", 4)))
     for m in (a, b):
         await m.register(backend)
     await a.train(await _rollouts(a, [0.0, 1.0]), config=tracerl.TrainConfig(learning_rate=1e-3))
     key_a, key_b = (str(backend.store(m).root) for m in (a, b))
     kept = backend._policies[key_a]  # private: the policy in memory has no public handle
-    lora = {n: p.detach().clone() for n, p in kept.model.named_parameters() if p.requires_grad}
+    lora = [p.detach().clone() for p in kept.trainable_parameters()]
     adam = {i: {k: v.clone() for k, v in s.items()}
             for i, s in kept.optimizer.state_dict()["state"].items()}
     del kept
@@ -267,9 +269,9 @@ async def test_a_policy_closed_to_bound_memory_reloads_exactly_from_its_checkpoi
         assert list(backend._policies) == [key_a]
     finally:
         backend.resident_policies = 2
-    again = {n: p.detach() for n, p in reloaded.model.named_parameters() if p.requires_grad}
-    assert again.keys() == lora.keys()
-    assert all(torch.equal(again[n], lora[n]) for n in lora)
+    again = [p.detach() for p in reloaded.trainable_parameters()]
+    assert len(again) == len(lora)
+    assert all(torch.equal(x, y) for x, y in zip(again, lora, strict=True))
     state = reloaded.optimizer.state_dict()["state"]
     assert state.keys() == adam.keys()
     assert all(torch.equal(state[i][k], v) for i, s in adam.items() for k, v in s.items())

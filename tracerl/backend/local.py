@@ -21,7 +21,7 @@ from ..core import settings
 from ..core.backend import Backend, InferenceEndpoint, LocalTrainResult, TrainEvent, TrainResult
 from ..core.config import DistributedTrainerConfig, EngineConfig, TrainConfig, TrainSFTConfig
 from ..core.engine import Engine, EngineError, EngineSpec
-from ..core.errors import ConfigError, RankFailedError, TrainingError
+from ..core.errors import ConfigError, RankFailedError, StepsFailedError, TrainingError
 from ..core.model_spec import ModelLike, ModelSpec, spec_of
 from ..core.net import is_loopback
 from ..core.spans import Span
@@ -45,6 +45,7 @@ from .training.step import train_step
 
 if TYPE_CHECKING:
     from .served import ServedModel
+    from .training.adapters import SharedBase
     from .training.distributed import DistributedPolicy
     from .training.trainer import Trainer
 
@@ -122,15 +123,18 @@ class _ServingOnGateway:
     """A model's engine and route, driven from a training step (on the gateway's loop)."""
 
     def __init__(self, gateway: _GatewayThread, route: ServedModel, engine: Engine,
-                 publisher: AdapterPublisher | None = None) -> None:
+                 publisher: AdapterPublisher | None = None, sleeps: bool = True) -> None:
         self.gateway, self.route, self.engine = gateway, route, engine
         self.publisher = publisher
+        self.sleeps = sleeps  # False: another model of the step puts this engine to sleep
 
     async def sleep(self) -> None:
-        await self.gateway.call(self.engine.sleep())
+        if self.sleeps:
+            await self.gateway.call(self.engine.sleep())
 
     async def wake_up(self) -> None:
-        await self.gateway.call(self.engine.wake_up())
+        if self.sleeps:
+            await self.gateway.call(self.engine.wake_up())
 
     async def publish(self, step: int, adapter: Path) -> None:
         """Write ``policy@step`` to the publish location (if one is set), load it on every
@@ -177,9 +181,14 @@ class LocalBackend(Backend):
     FSDP2) started by a launcher plugin (``local``: torchrun; ``ray``: Ray actors, which then
     host the inference engines too) instead of in this process.
 
-    ``resident_policies`` bounds how many trained models keep their policy (base weights, LoRA,
-    optimizer) in memory: training one more model first closes the least recently trained
-    one, which later resumes exactly from its newest checkpoint (adapter and optimizer state).
+    Trained models that share a base model, LoRA shape and chat template share one copy of
+    the base weights in the trainer (:mod:`tracerl.backend.training.adapters`): each keeps its
+    own adapter, optimizer state, step, checkpoints and history, and :meth:`train_many` trains
+    several of them in shared passes.
+
+    ``resident_policies`` bounds how many policies' base weights stay in memory (models sharing
+    a base count once): loading one more first closes the least recently trained one, whose
+    models later resume exactly from their newest checkpoints (adapter and optimizer state).
     """
 
     name = "local"
@@ -216,6 +225,7 @@ class LocalBackend(Backend):
         self._engines: dict[tuple[Path, str, str], Engine] = {}
         self._stores: dict[str, ModelStore] = {}
         self._policies: dict[str, Trainer | DistributedPolicy] = {}
+        self._bases: dict[tuple[Path, str, str | None], SharedBase] = {}
         self._train_lock = asyncio.Lock()
 
     # --- resources -------------------------------------------------------------------------
@@ -297,41 +307,68 @@ class LocalBackend(Backend):
             if engine.publish_dir else None
 
     def _policy(self, model: ModelSpec) -> Trainer | DistributedPolicy:
-        """The trained policy of ``model`` (loaded on first use, from its newest checkpoint)."""
+        """The trained policy of ``model`` (loaded on first use, from its newest checkpoint):
+        an adapter on the base it shares with the models of the same base and LoRA shape."""
+        from .training.adapters import SharedBase
         from .training.distributed import start_distributed_policy
-        from .training.trainer import Trainer
+        from .training.trainer import Trainer, unsloth_usable
 
         store = self.store(model)
         key = str(store.root)
         if key in self._policies:  # the most recently trained model goes last
             self._policies[key] = self._policies.pop(key)
-        else:
-            self._close_least_recent_policies(len(self._policies) + 1 - self.resident_policies)
-        if key not in self._policies and self.trainer is not None:
-            step = store.latest_step()
+            return self._policies[key]
+        step = store.latest_step()
+        checkpoint = store.checkpoint_dir(step) if step > 0 else None
+        model_path = self.gateway.models[model.key].engine.spec.model_path
+        chat_template = model.config.engine.chat_template
+        if self.trainer is not None:
+            self._close_least_recent_policies(len(self._holders()) + 1 - self.resident_policies)
             self._policies[key] = start_distributed_policy(
-                self.trainer, self.gateway.models[model.key].engine.spec.model_path,
-                model.config.lora, store.checkpoint_dir(step) if step > 0 else None,
-                model.config.engine.chat_template, store.root / "logs" / "trainer-ranks.log")
-        if key not in self._policies:
-            engine = self.gateway.models[model.key].engine
-            step = store.latest_step()
-            self._policies[key] = Trainer(
-                model_path=engine.spec.model_path, lora=model.config.lora,
-                adapter_path=store.checkpoint_dir(step) if step > 0 else None,
-                chat_template=model.config.engine.chat_template,
-            )
+                self.trainer, model_path, model.config.lora, checkpoint, chat_template,
+                store.root / "logs" / "trainer-ranks.log")
+        elif unsloth_usable():  # pragma: no cover - GPU only; Unsloth patches its own model
+            self._close_least_recent_policies(len(self._holders()) + 1 - self.resident_policies)
+            self._policies[key] = Trainer(model_path=model_path, lora=model.config.lora,
+                                          adapter_path=checkpoint, chat_template=chat_template)
+        else:
+            base_key = (model_path, model.config.lora.model_dump_json(), chat_template)
+            shared = self._bases.get(base_key)
+            if shared is None or shared.closed:
+                self._close_least_recent_policies(
+                    len(self._holders()) + 1 - self.resident_policies)
+                shared = self._bases[base_key] = SharedBase(
+                    model_path, model.config.lora, chat_template=chat_template)
+            self._policies[key] = shared.attach(checkpoint)
         return self._policies[key]
 
+    def _holders(self) -> list[list[str]]:
+        """The loaded policies' keys by what holds their base weights (a shared base, or a
+        policy of its own), the least recently trained holder first."""
+        holders: dict[int, list[str]] = {}
+        for key, policy in self._policies.items():  # least recently trained first
+            holder = holders.setdefault(id(getattr(policy, "shared", policy)), [])
+            holder.append(key)
+        return sorted(holders.values(), key=lambda keys: list(self._policies).index(keys[-1]))
+
+    def _close_policy(self, key: str) -> None:
+        """Close the policy of model folder ``key``, if loaded: it reloads from its newest
+        checkpoint when it trains again."""
+        policy = self._policies.pop(key, None)
+        if policy is not None:
+            policy.close()
+        self._bases = {k: b for k, b in self._bases.items() if not b.closed}
+
     def _close_least_recent_policies(self, count: int) -> None:
-        """Close the ``count`` least recently trained policies and reclaim their memory (their
-        models reload from their checkpoints when they train again)."""
+        """Close the policies of the ``count`` least recently trained base weights in memory
+        and reclaim it (their models reload from their checkpoints when they train again)."""
         if count <= 0:
             return
-        for key in list(self._policies)[:count]:
-            log.info("closing the policy of %s to keep %d in memory; it resumes from its "
-                     "newest checkpoint when it trains again", key, self.resident_policies)
-            self._policies.pop(key).close()
+        for keys in self._holders()[:count]:
+            for key in keys:
+                log.info("closing the policy of %s to keep %d in memory; it resumes from its "
+                         "newest checkpoint when it trains again", key, self.resident_policies)
+                self._close_policy(key)
         if not freeze_long_lived_objects():  # frozen or not, the closed policies are collected
             gc.collect()
 
@@ -561,11 +598,71 @@ class LocalBackend(Backend):
             except RankFailedError:  # its ranks are gone: the next step starts fresh ones
                 self._policies.pop(str(store.root), None)
                 raise
+            except BaseException:  # its weights may be half-updated: reload its checkpoint
+                self._close_policy(str(store.root))
+                raise
+
+    async def train_many_events(self, groups: list[tuple[ModelSpec, list[TrajectoryGroup]]],
+                                config: TrainConfig) -> AsyncIterator[tuple[str, TrainEvent]]:
+        """One step of each model; the rows of models sharing a base train in shared passes
+        (:mod:`tracerl.backend.training.many`)."""
+        from .training.many import ModelStep, train_many_step
+
+        if self.trainer is not None:
+            raise ConfigError("train_many runs on the one-process trainer; this backend's "
+                              "distributed trainer (LocalBackend(trainer=...)) trains one model "
+                              "a step: call model.train for each")
+        if not groups:
+            return
+        specs = [self._placed(spec) for spec, _ in groups]
+        for spec in specs:
+            if spec.key not in self.gateway.models:
+                raise TrainingError(f"model {spec.key} is not registered with this backend")
+        if self._train_lock.locked():
+            raise TrainingError("a training step of this backend is already running; "
+                                "await it first")
+        async with self._train_lock:
+            parts, engines = [], set()
+            for spec, (_, model_groups) in zip(specs, groups, strict=True):
+                route, store = self.gateway.models[spec.key], self.store(spec)
+                serving = _ServingOnGateway(self._gateway(), route, route.engine,
+                                            self._publisher(spec),
+                                            sleeps=id(route.engine) not in engines)
+                engines.add(id(route.engine))
+                parts.append(ModelStep(spec.key, store.latest_step() + 1, model_groups, store,
+                                       serving))
+
+            def load_policies() -> list[Any]:
+                policies = [self._policy(spec) for spec in specs]
+                if any(str(p.store.root) not in self._policies for p in parts):
+                    raise ConfigError(
+                        f"train_many: these models need more base weights in memory than "
+                        f"resident_policies={self.resident_policies}; raise it or train fewer "
+                        "models at once")
+                return policies
+
+            failed: set[str] = set()
+            try:
+                async for key, event in train_many_step(parts, config,
+                                                        load_policies=load_policies,
+                                                        heartbeat_s=self.heartbeat_s):
+                    yield key, event
+            except StepsFailedError as e:
+                failed = set(e.failed)
+                raise
+            except BaseException:
+                failed = {p.key for p in parts}
+                raise
+            finally:
+                for part in parts:  # weights maybe half-updated: reload their checkpoints
+                    if part.key in failed:
+                        self._close_policy(str(part.store.root))
 
     async def close(self) -> None:
         for policy in self._policies.values():
             await asyncio.to_thread(policy.close)
         self._policies.clear()
+        self._bases.clear()
         for engine in self._engines.values():
             if self._thread is not None:
                 try:

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -137,6 +137,47 @@ class Backend(ABC):
             if event.kind == "done":
                 result = TrainResult(step=event.step, metrics=dict(event.metrics))
         return result
+
+    async def train_many(self, groups: Mapping[ModelLike, Iterable[TrajectoryGroup]],
+                         config: TrainConfig | None = None) -> dict[ModelLike, TrainResult]:
+        """One step of each model on its groups: ``await backend.train_many({planner:
+        groups_a, executor: groups_b}, config=TrainConfig(...))``. A model without groups takes
+        no step (so that ``{m: await backend.pending_groups(m) for m in models}`` after a crash
+        trains each model's saved groups once). Returns each model's result, keyed as given.
+        The local backend trains models that share a base in shared passes; this default trains
+        them one after another."""
+        config = config or TrainConfig()
+        todo: dict[str, tuple[ModelLike, ModelSpec, list[TrajectoryGroup]]] = {}
+        for model, model_groups in groups.items():
+            spec, listed = spec_of(model), list(model_groups)
+            if spec.key in todo:
+                raise ConfigError(f"train_many: model {spec.key} is given twice")
+            for i, g in enumerate(listed):
+                if not isinstance(g, TrajectoryGroup):
+                    raise InvalidTrajectoryError(
+                        f"train_many: item {i} of {spec.key} is a {type(g).__name__}, not a "
+                        "TrajectoryGroup")
+            if listed:
+                todo[spec.key] = (model, spec, listed)
+        results: dict[ModelLike, TrainResult] = {}
+        for _, _, listed in todo.values():
+            await attach_scoped_calls(listed)
+        async for key, event in self.train_many_events(
+                [(spec, listed) for _, spec, listed in todo.values()], config):
+            model, spec, listed = todo[key]
+            for observer in _train_observers:
+                await observer(spec, event, listed, config)
+            if event.kind == "done":
+                results[model] = TrainResult(step=event.step, metrics=dict(event.metrics))
+        return results
+
+    async def train_many_events(self, groups: list[tuple[ModelSpec, list[TrajectoryGroup]]],
+                                config: TrainConfig) -> AsyncIterator[tuple[str, TrainEvent]]:
+        """:meth:`train_many`'s events, each with its model's key (models one after another
+        here)."""
+        for spec, listed in groups:
+            async for event in self.train_events(spec, listed, config):
+                yield spec.key, event
 
     async def train_sft(self, model: ModelLike, trajectories: list[Trajectory],
                         config: TrainSFTConfig) -> TrainResult:

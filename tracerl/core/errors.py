@@ -22,6 +22,7 @@
     │   └── EngineRequestError                (per request: 400, 404, ...)
     ├── TrainingError (RuntimeError)          training_failed        500
     │   ├── TrainConflictError                training_conflict      409
+    │   ├── StepsFailedError                  some_steps_failed      500
     │   ├── RankFailedError                   trainer_rank_failed    500
     │   └── QueueFullError                    queue_full             429
     ├── BackendUnavailableError (ConnectionError)  backend_unavailable  503
@@ -146,6 +147,17 @@ class TrainingError(TracerlError, RuntimeError, code="training_failed"):
 
 class TrainConflictError(TrainingError, code="training_conflict", status=409):
     """Another training request of the same model is queued or running."""
+
+
+class StepsFailedError(TrainingError, code="some_steps_failed"):
+    """Some models of a multi-model step (``backend.train_many``) failed after the update
+    (their checkpoint or publish); the others finished. ``failed`` maps each failed model's
+    key to its error; its groups are on disk for ``backend.pending_groups(model)``."""
+
+    def __init__(self, failed: dict[str, BaseException]) -> None:
+        self.failed = failed
+        super().__init__("the step of " + "; ".join(
+            f"{key} failed: {type(e).__name__}: {e}" for key, e in failed.items()))
 
 
 class RankFailedError(TrainingError, code="trainer_rank_failed"):

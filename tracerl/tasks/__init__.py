@@ -1,6 +1,6 @@
 """tasks: a catalog of agent tasks from libraries nobody here wrote, to show and measure an
-agent learning (``pip install 'tracerl[tasks]'``; nothing here is imported by the core: the catalog sits on
-top, using the public API as a user does).
+agent learning (``pip install 'tracerl[tasks]'``). Nothing here is imported by the core: the
+catalog sits on top, using the public API as a user does.
 
 - ``base.py``: :class:`Task` (items in a train and a disjoint held-out split, an agent, its
   library's scorer) and :func:`split_of`.

@@ -1,7 +1,8 @@
 """The transformers engine: CPU-friendly fallback for users without vLLM.
 
 Concurrent requests with the same sampling settings are batched (left-padded) into one
-``generate`` call on a single worker thread. Logprobs are those of the processed distribution
+``generate`` call on a single worker thread, whichever model's adapter each one uses (peft
+routes each row through its own adapter). Logprobs are those of the processed distribution
 (after temperature and top-p), like vLLM's ``processed_logprobs`` mode, so the recorded values
 are the sampling policy's. Each request gets its answer as soon as its own sequences end, and a
 request past its deadline stops its sequences. Tokenization runs off the event loop. Streaming is
@@ -42,7 +43,8 @@ class _Job:
 
     @property
     def key(self) -> tuple:
-        return (self.temperature, self.top_p, self.adapter)
+        """Jobs of one key generate in one batch (whichever adapters they use)."""
+        return (self.temperature, self.top_p)
 
 
 def _prompt_too_long(max_len: int, prompt: int, max_tokens: int) -> EngineRequestError:
@@ -226,13 +228,16 @@ class TransformersEngine(Engine):
             gen_kwargs.update(temperature=first.temperature, top_p=first.top_p, top_k=0)
         eos = self._eos_ids()
         handback = _SequenceHandback([job for job, _ in rows], eos)
+        adapters = [job.adapter for job, _ in rows]
         with self._lock, torch.inference_mode():
             model = self.model
-            if first.adapter is not None:
+            ctx: Any = _null()
+            if len(set(adapters)) > 1:  # several models' adapters: peft routes each row
+                gen_kwargs["adapter_names"] = [a or "__base__" for a in adapters]
+            elif first.adapter is not None:
                 model.set_adapter(first.adapter)
-                ctx = _null()
-            else:
-                ctx = model.disable_adapter() if hasattr(model, "peft_config") else _null()
+            elif hasattr(model, "peft_config"):
+                ctx = model.disable_adapter()
             with ctx:
                 model.generate(
                     input_ids=input_ids, attention_mask=attention,

@@ -7,11 +7,14 @@ In flow order:
 - ``health.py``: step health (skipped groups, prefix/template mismatches, engine KL, ...)
   and the warnings that name its cause and fix.
 - ``trainer.py``: the policy (base + LoRA, peft or Unsloth), micro-batches, the optimizer.
+- ``adapters.py``: many models on one base: one copy of the base weights, a LoRA adapter,
+  optimizer and step count per model, rows routed to their adapter in shared passes.
 - ``distributed.py``: the same policy on torch.distributed ranks (DDP or FSDP2), driven from
   here: micro-batches dealt to ranks, checkpoints from rank 0, a dead rank named.
 - ``rank.py``: one rank's process (``python -m``, torchrun's environment).
 - ``step.py``: the step top to bottom: save groups -> rows -> advantages -> loss ->
   optimizer step -> atomic checkpoint -> publish the adapter.
+- ``many.py``: one step for several models (``backend.train_many``) in the same frame.
 - ``sft.py``: supervised fine-tuning (ART's ``train_sft``): conversations, loss on the
   assistant tokens, in the same step frame.
 """

@@ -37,6 +37,8 @@ class Row:
     # the trainer's logprobs of the trained tokens in the step's first pass (the viewer's
     # engine/trainer difference per token)
     trainer_logprobs: list[float] | None = None
+    # the adapter it trains when one step trains several models on one base ("": the policy's)
+    adapter: str = ""
 
     def __len__(self) -> int:
         return len(self.input_ids)

@@ -93,7 +93,7 @@ def _sft_update(policy: Trainer, trajectories: list[Trajectory], config: TrainSF
     batches = [trajectories[i:i + size] for i in range(0, len(trajectories), size)]
     rates = (iter(config.learning_rate) if isinstance(config.learning_rate, list)
              else itertools.repeat(config.learning_rate))
-    params = [p for p in policy.model.parameters() if p.requires_grad]
+    params = policy.trainable_parameters()
     policy.model.train()
     losses, norms, used_rates = [], [], []
     trained_tokens = truncated = 0

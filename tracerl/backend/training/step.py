@@ -16,12 +16,18 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ...core.backend import TrainEvent
 from ...core.config import TrainConfig
 from ...core.metrics import summarize_groups
-from ...core.storage import STEP_METRICS, ModelStore, atomic_directory, atomic_write_text
+from ...core.storage import (
+    STEP_METRICS,
+    ModelStore,
+    atomic_directory,
+    atomic_write_text,
+    read_jsonl,
+)
 from ...core.trajectory import TrajectoryGroup, group_lines, write_groups_jsonl
 from ...core.watchdog import watch
 from . import health
@@ -31,6 +37,7 @@ from .rows import Row, RowStats, rows_from_calls, rows_from_messages
 if TYPE_CHECKING:
     from .trainer import Trainer
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
@@ -52,10 +59,10 @@ async def train_step(step: int, groups: list[TrajectoryGroup], config: TrainConf
                      heartbeat_s: float = 30.0) -> AsyncIterator[TrainEvent]:
     """Train checkpoint ``step`` on ``groups``; yields started, heartbeats, done."""
     # 1. save the groups: a step's data is on disk before anything trains on it (a crashed
-    #    step is trained again from this file: backend.pending_groups)
-    saved = store.trajectories_path("train", step)
-    store.set_aside(saved, keep_if=group_lines(groups).encode())  # an earlier attempt's groups
-    write_groups_jsonl(saved, groups)
+    #    step is trained again from this file: backend.pending_groups), each trajectory
+    #    with the calls this model served (sub-agents: others served by other models)
+    groups = own_calls(store, groups)
+    save_step_groups(store, step, groups)
 
     def update(policy: Trainer) -> dict[str, float]:
         return grpo_update(policy, groups, config,
@@ -66,6 +73,40 @@ async def train_step(step: int, groups: list[TrajectoryGroup], config: TrainConf
                                   load_policy=load_policy, serving=serving,
                                   heartbeat_s=heartbeat_s):
         yield event
+
+
+def own_calls(store: ModelStore, groups: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
+    """The groups as the model of ``store`` trains them: each trajectory with only the calls
+    this model served (a rollout whose sub-agents call several models holds them all). A
+    trajectory that called other models only keeps its reward (its group's advantages) and
+    trains no row of this model."""
+    out = []
+    for group in groups:
+        trajectories = []
+        for t in group.trajectories:
+            mine: set[str] = set()
+            for rollout_id in {c.rollout_id for c in t.llm_calls if c.rollout_id}:
+                path = store.calls_path(rollout_id)
+                if path.exists():
+                    mine |= {str(line.get("id")) for line in read_jsonl(path)}
+            if all(c.id in mine for c in t.llm_calls):
+                trajectories.append(t)
+                continue
+            kept = [c for c in t.llm_calls if c.id in mine]
+            update: dict[str, Any] = {"llm_calls": kept}
+            if not kept:  # no messages to render either: they are the other models'
+                update |= {"messages_and_choices": [], "additional_histories": []}
+            trajectories.append(t.model_copy(update=update))
+        out.append(group.model_copy(update={"trajectories": trajectories}))
+    return out
+
+
+def save_step_groups(store: ModelStore, step: int, groups: list[TrajectoryGroup]) -> None:
+    """The groups of step ``step``, on disk before anything trains on them (an earlier
+    attempt's different groups are set aside)."""
+    saved = store.trajectories_path("train", step)
+    store.set_aside(saved, keep_if=group_lines(groups).encode())
+    write_groups_jsonl(saved, groups)
 
 
 async def run_update(step: int, update: Callable[[Trainer], dict[str, float]], *,
@@ -88,15 +129,30 @@ async def run_update(step: int, update: Callable[[Trainer], dict[str, float]], *
             # 2-5. rows -> advantages -> micro-batched loss -> optimizer step
             phase[0] = "the update (a worker thread)"
             work = asyncio.ensure_future(asyncio.to_thread(update, policy))
-            while not work.done():
-                await asyncio.wait({work}, timeout=heartbeat_s)
-                if not work.done():
-                    yield TrainEvent("heartbeat", step, elapsed_s=time.perf_counter() - started)
+            async for event in heartbeats(work, step, started, heartbeat_s):
+                yield event
             metrics = work.result()
         finally:
             phase[0] = "waking the engine"
             await serving.wake_up()
     metrics = {**summary, **metrics, "seconds": time.perf_counter() - started}
+    await finish_step(step, policy, metrics, store=store, serving=serving)
+    yield TrainEvent("done", step, metrics=metrics)
+
+
+async def heartbeats(work: asyncio.Future[T], step: int, started: float, heartbeat_s: float
+                     ) -> AsyncIterator[TrainEvent]:
+    """A heartbeat event of ``step`` every ``heartbeat_s`` until ``work`` is done."""
+    while not work.done():
+        await asyncio.wait({work}, timeout=heartbeat_s)
+        if not work.done():
+            yield TrainEvent("heartbeat", step, elapsed_s=time.perf_counter() - started)
+
+
+async def finish_step(step: int, policy: Trainer, metrics: dict[str, float], *,
+                      store: ModelStore, serving: Serving) -> None:
+    """After the update: checkpoint ``step`` (with ``metrics``, and the health warnings they
+    raise added to them), its history line, then publish it."""
     # step health: warnings that name the cause and the fix (GRPO's metrics; none for SFT)
     metrics["health_warnings"] = float(len(health.log_warnings(step, metrics)))
     # 6. atomic checkpoint: the folder appears whole, or not at all, with the step's metrics in
@@ -112,7 +168,6 @@ async def run_update(step: int, update: Callable[[Trainer], dict[str, float]], *
         log.warning("could not remove older checkpoints' optimizer state: %s", e)
     # 7. publish: the next rollouts are served by the new adapter
     await serving.publish(step, store.checkpoint_dir(step))
-    yield TrainEvent("done", step, metrics=metrics)
 
 
 def grpo_update(policy: Trainer, groups: list[TrajectoryGroup], config: TrainConfig,
@@ -120,11 +175,7 @@ def grpo_update(policy: Trainer, groups: list[TrajectoryGroup], config: TrainCon
     """Rows with group-relative advantages, then the clipped policy loss over micro-batches
     and one optimizer step per epoch. Returns the step's metrics; ``on_trained`` gets the
     trained rows (with their engine and trainer logprobs)."""
-    rows, stats, skipped_groups = rows_with_advantages(policy, groups, config)
-    metrics = {**stats.as_metrics(), "groups": float(len(groups)),
-               "skipped_groups": float(skipped_groups), **health.completion_clipping(groups),
-               **health.template_mismatches(groups, policy.render)}
-    metrics.update(health.ratios(metrics))  # step health: logged with the step's metrics
+    rows, metrics = step_rows(policy, groups, config)
     if not rows:
         log.warning("step skipped: no trainable rows")
         return {**metrics, "skipped": 1.0, "loss": 0.0}
@@ -132,6 +183,17 @@ def grpo_update(policy: Trainer, groups: list[TrajectoryGroup], config: TrainCon
     if on_trained is not None:
         on_trained(rows)
     return metrics
+
+
+def step_rows(policy: Trainer, groups: list[TrajectoryGroup], config: TrainConfig
+              ) -> tuple[list[Row], dict[str, float]]:
+    """The step's rows (:func:`rows_with_advantages`) and the metrics of how they were built."""
+    rows, stats, skipped_groups = rows_with_advantages(policy, groups, config)
+    metrics = {**stats.as_metrics(), "groups": float(len(groups)),
+               "skipped_groups": float(skipped_groups), **health.completion_clipping(groups),
+               **health.template_mismatches(groups, policy.render)}
+    metrics.update(health.ratios(metrics))  # step health: logged with the step's metrics
+    return rows, metrics
 
 
 def rows_with_advantages(policy: Trainer, groups: list[TrajectoryGroup], config: TrainConfig

@@ -26,6 +26,8 @@ from .loss import grpo_per_token_loss, reduce_loss, token_entropy, token_logprob
 from .rows import NAN, Row, has_unknown_logprobs
 
 STATE_FILE = "trainer_state.json"
+# the sums a step's metrics are made of (per trained token, but the loss)
+METRIC_SUMS = ("loss", "ratio", "clip_fraction", "kl", "entropy", "logprob_mismatch", "engine_kl")
 
 
 def unsloth_usable() -> bool:
@@ -68,6 +70,39 @@ def step_totals(batches: list[list[Row]]) -> dict[str, float]:
             "micro_batches": float(len(batches))}
 
 
+def step_metrics(sums: dict[str, float], totals: dict[str, float], grad_norm: float,
+                 config: TrainConfig) -> dict[str, float]:
+    """A step's metrics from its metric sums and totals (:func:`step_totals`)."""
+    n = totals["trained_tokens"]
+    metrics = dict(
+        loss=sums["loss"],
+        ratio=sums["ratio"] / n,
+        clip_fraction=sums["clip_fraction"] / n,
+        kl=sums["kl"] / n,
+        entropy=sums["entropy"] / n,
+        logprob_mismatch=sums["logprob_mismatch"] / n,
+        engine_kl=sums["engine_kl"] / n,
+        grad_norm=grad_norm,
+        trained_tokens=n,
+        tokens=totals["tokens"],
+        micro_batches=totals["micro_batches"],
+        learning_rate=config.learning_rate,
+    )
+    if not math.isfinite(metrics["loss"]):
+        raise FloatingPointError(f"non-finite loss {metrics['loss']} in a training step")
+    return metrics
+
+
+def adapter_masks(batch: list[Row], mask: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The trained-token mask of each adapter's rows in a micro-batch (:attr:`Row.adapter`):
+    ``mask`` itself when one adapter has them all."""
+    names = list(dict.fromkeys(r.adapter for r in batch))
+    if len(names) == 1:
+        return [(names[0], mask)]
+    return [(name, mask & torch.tensor([r.adapter == name for r in batch],
+                                       device=mask.device)[:, None]) for name in names]
+
+
 def _keep_trainer_logprobs(batch: list[Row], logp: torch.Tensor, width: int) -> None:
     """Each row's trainer logprobs of its trained tokens (``logp`` covers the last columns)."""
     lp, start = logp.cpu(), width - logp.shape[1]
@@ -102,6 +137,8 @@ class Trainer(Rendering):
     # each rank's loss is multiplied by this before backward: data parallel wrappers average
     # gradients over ranks, and the step's gradient is their sum (1 in one process)
     gradient_scale = 1.0
+    # the peft adapter this policy trains (several share one base: training/adapters.py)
+    adapter_name = "default"
 
     def __init__(self, model_path: Path, lora: LoraConfig, adapter_path: Path | None = None,
                  device: str | None = None, chat_template: str | None = None) -> None:
@@ -118,15 +155,23 @@ class Trainer(Rendering):
             if self.backend == "unsloth"
             else self._load_peft(model_path)
         )
+        self._start(adapter_path)
+
+    def _start(self, adapter_path: Path | None) -> None:
+        """Load the adapter (and its optimizer state) of ``adapter_path``, or start afresh."""
         self.steps_done = 0
         if adapter_path is not None:
             self._load_adapter_weights(adapter_path)
         self.forward_model = self._distribute(self.model)
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad], lr=1e-5, betas=(0.9, 0.99))
+        self.optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=1e-5,
+                                           betas=(0.9, 0.99))
         if adapter_path is not None and (adapter_path / OPTIMIZER_FILE).exists():
             self._load_optimizer_state(
                 torch.load(adapter_path / OPTIMIZER_FILE, map_location=self.device))
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters a step updates (this policy's LoRA weights), in the model's order."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     # --- hooks of the distributed trainer (training/rank.py); one process needs none -------
 
@@ -142,8 +187,7 @@ class Trainer(Rendering):
         return values
 
     def _clip_grad_norm(self, max_norm: float) -> float:
-        return float(torch.nn.utils.clip_grad_norm_(
-            [p for p in self.model.parameters() if p.requires_grad], max_norm))
+        return float(torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), max_norm))
 
     def close(self) -> None:
         """Release what the policy holds outside this process (nothing here)."""
@@ -190,7 +234,7 @@ class Trainer(Rendering):
         from safetensors.torch import load_file
 
         state = load_file(str(path / "adapter_model.safetensors"), device=str(self.device))
-        result = set_peft_model_state_dict(self.model, state)
+        result = set_peft_model_state_dict(self.model, state, adapter_name=self.adapter_name)
         unexpected = getattr(result, "unexpected_keys", None)
         if unexpected:
             raise RuntimeError(f"checkpoint {path} does not fit this LoRA config: {unexpected[:3]}")
@@ -268,17 +312,7 @@ class Trainer(Rendering):
                ) -> dict[str, float]:
         """Loss and optimizer step over ``batches`` (this process's share of the step), with the
         loss normalised by ``totals`` (trained tokens and rows of the whole step)."""
-        if config.seed is not None:
-            torch.manual_seed(config.seed)
-        for g in self.optimizer.param_groups:
-            g["lr"] = config.learning_rate
-            g["weight_decay"] = config.weight_decay
-        if config.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
-            self.model.enable_input_require_grads()
-        elif getattr(self.model, "is_gradient_checkpointing", False):  # an earlier step's
-            self.model.gradient_checkpointing_disable()
-        self.model.train()
+        self.prepare(config)
         self._fill_old_logprobs(batches)
         normalizer = totals["trained_tokens" if config.loss_normalization == "token" else "rows"]
         grad_norm = 0.0
@@ -291,25 +325,21 @@ class Trainer(Rendering):
                 grad_norm = self._clip_grad_norm(config.max_grad_norm)
             self.optimizer.step()
         self.steps_done += 1
-        sums = self._sum_over_ranks(sums)
-        n = totals["trained_tokens"]
-        metrics = dict(
-            loss=sums["loss"],
-            ratio=sums["ratio"] / n,
-            clip_fraction=sums["clip_fraction"] / n,
-            kl=sums["kl"] / n,
-            entropy=sums["entropy"] / n,
-            logprob_mismatch=sums["logprob_mismatch"] / n,
-            engine_kl=sums["engine_kl"] / n,
-            grad_norm=grad_norm,
-            trained_tokens=n,
-            tokens=totals["tokens"],
-            micro_batches=totals["micro_batches"],
-            learning_rate=config.learning_rate,
-        )
-        if not math.isfinite(metrics["loss"]):
-            raise FloatingPointError(f"non-finite loss {metrics['loss']} in a training step")
-        return metrics
+        return step_metrics(self._sum_over_ranks(sums), totals, grad_norm, config)
+
+    def prepare(self, config: TrainConfig) -> None:
+        """Seed, learning rate and training mode of a step under ``config``."""
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
+        for g in self.optimizer.param_groups:
+            g["lr"] = config.learning_rate
+            g["weight_decay"] = config.weight_decay
+        if config.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+            self.model.enable_input_require_grads()
+        elif getattr(self.model, "is_gradient_checkpointing", False):  # an earlier step's
+            self.model.gradient_checkpointing_disable()
+        self.model.train()
 
     def backward(self, batches: list[list[Row]], config: TrainConfig, collect: bool = True,
                  normalizer: float | None = None) -> dict[str, float]:
@@ -320,21 +350,30 @@ class Trainer(Rendering):
             totals = step_totals(batches)
             normalizer = totals["trained_tokens" if config.loss_normalization == "token"
                                 else "rows"]
-        normalizer /= self.gradient_scale
-        sums = {"loss": 0.0, "ratio": 0.0, "clip_fraction": 0.0, "kl": 0.0, "entropy": 0.0,
-                "logprob_mismatch": 0.0, "engine_kl": 0.0}
+        names = {r.adapter for b in batches for r in b} or {""}
+        return self.backward_by_adapter(batches, config, dict.fromkeys(names, normalizer),
+                                        collect)[names.pop()]
+
+    def backward_by_adapter(self, batches: list[list[Row]], config: TrainConfig,
+                            normalizers: dict[str, float], collect: bool = True
+                            ) -> dict[str, dict[str, float]]:
+        """:meth:`backward` of rows that train several adapters (:attr:`Row.adapter`): each
+        adapter's loss is normalised by its own step's ``normalizers[adapter]``, so its gradient
+        is the one of its rows alone. Returns each adapter's metric sums."""
+        sums = {name: dict.fromkeys(METRIC_SUMS, 0.0) for name in normalizers}
         for batch in batches:
-            self._micro_batch(batch, config, normalizer, sums if collect else None)
+            self._micro_batch(batch, config, normalizers, sums if collect else None)
             # nothing of a micro-batch outlives it: what it freed goes back to the OS before the
             # next one (glibc keeps freed heap pages; a step's RSS grew micro-batch by
             # micro-batch without this, benchmarks/train_step_memory.py)
             self._release_step_memory()
         return sums
 
-    def _micro_batch(self, batch: list[Row], config: TrainConfig, normalizer: float,
-                     sums: dict[str, float] | None) -> None:
-        """Forward, loss and backward of one micro-batch; adds its metrics to ``sums`` (None:
-        no metrics). Its tensors (logits, logprobs, the graph) die when it returns."""
+    def _micro_batch(self, batch: list[Row], config: TrainConfig, normalizers: dict[str, float],
+                     sums: dict[str, dict[str, float]] | None) -> None:
+        """Forward, loss and backward of one micro-batch, each adapter's rows normalised by its
+        own ``normalizers[adapter]``; adds each adapter's metrics to ``sums`` (None: no
+        metrics). Its tensors (logits, logprobs, the graph) die when it returns."""
         t = self._tensors(batch)
         logits = self._logits(t)
         logp = token_logprobs(logits, t["targets"], t["temps"])
@@ -346,12 +385,22 @@ class Trainer(Rendering):
             logp, t["old"], t["adv"], epsilon=config.epsilon, epsilon_high=config.epsilon_high,
             beta=config.beta, ref_logp=ref, kl_bias_correction=config.kl_bias_correction,
             loss_fn=config.loss_fn)
-        loss = reduce_loss(per_token, t["mask"], config.loss_normalization, normalizer)
+        loss: torch.Tensor | None = None
+        for name, mask in adapter_masks(batch, t["mask"]):
+            part = reduce_loss(per_token, mask, config.loss_normalization,
+                               normalizers[name] / self.gradient_scale)
+            loss = part if loss is None else loss + part
+            if sums is not None:
+                self._collect(sums[name], part, logits, logp, parts, mask, t)
+        assert loss is not None  # a micro-batch has rows
         loss.backward()
-        if sums is None:
-            return
-        m = t["mask"]
-        _keep_trainer_logprobs(batch, logp.detach(), int(t["input_ids"].shape[1]))
+        if sums is not None:
+            _keep_trainer_logprobs(batch, logp.detach(), int(t["input_ids"].shape[1]))
+
+    def _collect(self, sums: dict[str, float], loss: torch.Tensor, logits: torch.Tensor,
+                 logp: torch.Tensor, parts: dict[str, torch.Tensor], m: torch.Tensor,
+                 t: dict[str, torch.Tensor]) -> None:
+        """Add the metric sums of the tokens of mask ``m`` (one adapter's rows)."""
         sums["loss"] += float(loss.detach()) / self.gradient_scale
         sums["ratio"] += float(parts["ratio"][m].sum())
         sums["clip_fraction"] += float(parts["clipped"][m].float().sum())
@@ -399,6 +448,10 @@ class Trainer(Rendering):
     def save(self, out_dir: Path) -> None:
         """Write the adapter (vLLM/peft loadable), optimizer state and step count."""
         self.model.save_pretrained(str(out_dir))
+        self._save_state(out_dir)
+
+    def _save_state(self, out_dir: Path) -> None:
+        """The optimizer state and step count beside the adapter."""
         torch.save(self.optimizer.state_dict(), Path(out_dir) / OPTIMIZER_FILE)
         (Path(out_dir) / STATE_FILE).write_text(json.dumps({"steps_done": self.steps_done,
                                                             "backend": self.backend}))
