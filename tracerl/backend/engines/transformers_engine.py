@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ...core.engine import Engine, EngineRequestError, EngineSpec, EngineUnavailableError
+from ...core.fingerprint import BASE, adapter_digest, note_served
 from ...core.trajectory import is_greedy
 from ...events.hookspecs import hookimpl
 from ..chat_template import apply_chat_template_override, render_prompt
@@ -39,6 +40,7 @@ class _Job:
     adapter: str | None
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
+    digest: str | None = None  # of the weights that generated it (set under the model lock)
 
     @property
     def key(self) -> tuple:
@@ -63,6 +65,7 @@ class TransformersEngine(Engine):
         self.tokenizer: Any = None
         self._adapters: dict[str, Path] = {}
         self._peft_names: dict[str, str] = {}
+        self._digests: dict[str, str] = {}  # peft name -> digest of the weights loaded under it
         self._queue: asyncio.Queue[_Job] | None = None
         self._batcher: asyncio.Task | None = None
         self._lock = threading.Lock()
@@ -119,8 +122,10 @@ class TransformersEngine(Engine):
         from peft import PeftModel
 
         lora_name = self._peft_name(lora_name)
+        digest = adapter_digest(path)  # taken once, before the load
 
         with self._lock:
+            self._digests.pop(lora_name, None)  # set again only once the load succeeded
             if not hasattr(self.model, "peft_config"):
                 self.model = PeftModel.from_pretrained(self.model, path, adapter_name=lora_name)
             else:
@@ -128,6 +133,7 @@ class TransformersEngine(Engine):
                     self.model.delete_adapter(lora_name)
                 self.model.load_adapter(path, adapter_name=lora_name)
             self.model.eval()
+            self._digests[lora_name] = digest
 
     # --- request handling ----------------------------------------------------------------
 
@@ -175,7 +181,9 @@ class TransformersEngine(Engine):
         job = _Job(prompt_ids, n, max_tokens, temperature, top_p, self._adapter_for(body["model"]),
                    loop.create_future(), loop)
         await self._queue.put(job)
-        return await job.future
+        results = await job.future
+        note_served(job.digest)
+        return results
 
     async def _batch_loop(self) -> None:
         assert self._queue is not None
@@ -228,6 +236,9 @@ class TransformersEngine(Engine):
         handback = _SequenceHandback([job for job, _ in rows], eos)
         with self._lock, torch.inference_mode():
             model = self.model
+            digest = BASE if first.adapter is None else self._digests.get(first.adapter)
+            for job in batch:
+                job.digest = digest
             if first.adapter is not None:
                 model.set_adapter(first.adapter)
                 ctx = _null()
