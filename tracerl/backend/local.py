@@ -25,6 +25,7 @@ from ..core.errors import ConfigError, RankFailedError, TrainingError
 from ..core.model_spec import ModelLike, ModelSpec, spec_of
 from ..core.net import is_loopback
 from ..core.spans import Span
+from ..core.release_log import ReleaseLog
 from ..core.storage import ModelStore
 from ..core.trajectory import (
     LLMCall,
@@ -363,7 +364,11 @@ class LocalBackend(Backend):
                 resident=model.config.engine.resident_adapters))
         route = self.gateway.models[model.key]
         step = store.latest_step()
-        if step > 0 and route.step != step:
+        if ReleaseLog(store.root).exists():  # release control: the committed incumbent
+            from .release import attach
+
+            await self._gateway().call(attach(route))
+        elif step > 0 and route.step != step:
             await self._gateway().call(route.swap_adapter(step, store.checkpoint_dir(step)))
         freeze_long_lived_objects()
         return InferenceEndpoint(self.base_url, self.api_key or "tracerl-local",
