@@ -123,3 +123,24 @@ async def test_a_bad_canary_is_rolled_back_and_a_good_one_promoted_without_a_fai
     assert call.adapter_step == 0 and control.state().incumbent == 0
     events = [r["event"] for r in control.log.records()]
     assert events[:2] == ["begin", "commit"] and "rejected" in events and "gate" in events
+
+
+def test_promote_and_rollback_commands_write_the_log_of_a_stopped_server(tmp_path):
+    import subprocess
+    import sys
+
+    from tracerl.core.storage import ModelStore
+
+    store = ModelStore(tmp_path, "p", "m")
+    store.checkpoint_dir(3).mkdir(parents=True)
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "tracerl", *args, "--path", str(tmp_path)],
+                              capture_output=True, text=True, timeout=120)
+
+    assert cli("promote", "p/m", "4").returncode == 2  # no checkpoint 4: refused, nothing written
+    assert not ReleaseLog(store.root).exists()
+    assert cli("promote", "p/m", "3").returncode == 0
+    assert cli("rollback", "p/m", "--to", "0").returncode == 0
+    state = ReleaseLog(store.root).state()
+    assert state.incumbent == 0 and [h["action"] for h in state.history] == ["promote", "rollback"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -225,6 +226,32 @@ class ControlServer:
             if not isinstance(keep, list) or not all(isinstance(s, int) and s >= 0 for s in keep):
                 raise ConfigError("keep_steps must be a list of step numbers")
             return {"deleted": await self.backend.delete_checkpoints(model, set(keep))}
+
+        @router.get("/models/{project}/{name}/release")
+        async def release_state(project: str, name: str) -> dict[str, Any]:
+            from ..core.release_log import ReleaseLog
+
+            store = self.backend.store(self.model(project, name))
+            return asdict(await asyncio.to_thread(ReleaseLog(store.root).state))
+
+        @router.post("/models/{project}/{name}/release/{action}")
+        async def release_move(project: str, name: str, action: str,
+                               request: Request) -> dict[str, Any]:
+            """Promote (``{"step": N}``) or roll back (``{"to": N}``) the model's incumbent:
+            effective for the next call on every replica; calls in flight finish."""
+            from ..backend.release import move_incumbent
+
+            model, body = self.model(project, name), await self._json(request)
+            key = {"promote": "step", "rollback": "to"}.get(action)
+            if key is None:
+                raise ConfigError(f"no release action {action!r}: promote or rollback")
+            step = body.get(key)
+            if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+                raise ConfigError(f"{key} must be a step number (an integer >= 0), not {step!r}")
+            route = self.backend.gateway.models[model.key]
+            state = await self.backend.call_on_gateway(
+                move_incumbent(route, action, step, reason=body.get("reason") or "by hand"))
+            return {"incumbent": state.incumbent}
 
         app.include_router(router)
 
