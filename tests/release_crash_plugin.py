@@ -29,7 +29,7 @@ def _point(event: str, after: bool) -> None:
         threading.Event().wait()  # stalled until killed
 
 
-def _append_with_points(path, record):  # noqa: ANN001 - the wrapped function's signature
+def _append_with_points(path, record):
     event = record.get("event") if isinstance(record, dict) else None
     if event in ("begin", "commit") and record.get("action") == "promote":
         _point(event, False)

@@ -80,7 +80,7 @@ async def rollout(model) -> tuple[str, LLMCall]:
 
 async def test_a_bad_canary_is_rolled_back_and_a_good_one_promoted_without_a_failed_call(
         rel_model):
-    backend, model, store, control = rel_model
+    _, model, store, control = rel_model
     assert control.state().incumbent == 0  # adopted: the base model served
     await control.propose(1)
     verdict = await control.shadow([{"messages": MESSAGES}] * 2, lambda s, text: 1.0)

@@ -24,6 +24,10 @@ In flow order (one request, then one training step):
 - ``chat_template.py``: chat templates, the same for serving and training.
 - ``weights.py``: ``base_model`` to a local folder (the embedded SmolLM2 included).
 - ``training/``: rows, advantages, loss, the policy, and the step itself (``step.py``).
+- ``release.py``: release control: a trained version goes shadow -> canary (a sticky share
+  of rollouts) -> promoted or rolled back, each stage in the model's release log.
+- ``release_gates.py``: the gates a candidate passes: reward vs the incumbent with a
+  confidence bound, error rate, p95 latency, drift monitors.
 - ``launchers/``: where distributed trainer ranks and replicas run (``local``, ``ray``).
 - ``local.py``: ``LocalBackend``, which holds the resources: gateway, engines, policies.
 """

@@ -24,8 +24,8 @@ from ..core.engine import Engine, EngineError, EngineSpec
 from ..core.errors import ConfigError, RankFailedError, TrainingError
 from ..core.model_spec import ModelLike, ModelSpec, spec_of
 from ..core.net import is_loopback
-from ..core.spans import Span
 from ..core.release_log import ReleaseLog
+from ..core.spans import Span
 from ..core.storage import ModelStore
 from ..core.trajectory import (
     LLMCall,
