@@ -36,7 +36,7 @@ from ..core.fingerprint import check_calls
 from ..core.release_log import ReleaseLog, ReleaseState
 from ..core.storage import append_jsonl
 from ..core.trajectory import LLMCall
-from .release_gates import ArmEvidence, Gates, Verdict, arm_evidence, judge
+from .release_gates import Gates, Verdict, arm_evidence, judge
 from .training.health import CLAIMED
 
 if TYPE_CHECKING:
@@ -232,19 +232,16 @@ class ReleaseControl:
                                 verdict=verdict.decision, tripped=verdict.tripped,
                                 evidence=verdict.evidence)
         if act:
-            await self._act(release.candidate, verdict, cand, inc)
+            await self._act(release.candidate, verdict)
         return verdict
 
-    async def _act(self, step: int, verdict: Verdict, cand: ArmEvidence, inc: ArmEvidence
-                   ) -> None:
+    async def _act(self, step: int, verdict: Verdict) -> None:
         if verdict.decision == "promote":
             await self.promote(step, reason="gates passed")
         elif verdict.decision == "rollback":
             await self._reject(step, "; ".join(verdict.tripped))
-        elif verdict.decision == "hold":
+        elif verdict.decision == "hold":  # (the gate record says so: the canary stops)
             release = self._candidate_routing()
-            await asyncio.to_thread(self.log.append, "gate", step=step, verdict="hold",
-                                    tripped=verdict.tripped, evidence={})
             self.route.release = ReleaseRouting(release.incumbent, step, 0.0)
 
     async def promote(self, step: int, reason: str = "by hand") -> ReleaseState:

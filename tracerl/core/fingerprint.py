@@ -16,6 +16,7 @@ two months, unseen, because nothing asked the engine.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from pathlib import Path
 from .engine import current_route
 from .trajectory import LLMCall
 
+log = logging.getLogger(__name__)
 BASE = "base"  # the digest of "no adapter": the base model served the call
 PREFIX = "sha256:"
 _CHUNK = 1 << 20
@@ -65,6 +67,16 @@ def adapter_digest(path: Path | str) -> str:
     digest = PREFIX + h.hexdigest()
     _cache[key] = digest
     return digest
+
+
+def digest_if_readable(path: Path | str) -> str | None:
+    """:func:`adapter_digest`, or None when this process cannot read the adapter's weights
+    (a server on another node loads it from its own mount): its calls are then unverified."""
+    try:
+        return adapter_digest(path)
+    except OSError as e:
+        log.info("no fingerprint for the adapter at %s: %s", path, e)
+        return None
 
 
 def note_served(digest: str | None) -> None:

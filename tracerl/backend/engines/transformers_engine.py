@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ...core.engine import Engine, EngineRequestError, EngineSpec, EngineUnavailableError
-from ...core.fingerprint import BASE, adapter_digest, note_served
+from ...core.fingerprint import BASE, digest_if_readable, note_served
 from ...core.trajectory import is_greedy
 from ...events.hookspecs import hookimpl
 from ..chat_template import apply_chat_template_override, render_prompt
@@ -122,7 +122,7 @@ class TransformersEngine(Engine):
         from peft import PeftModel
 
         lora_name = self._peft_name(lora_name)
-        digest = adapter_digest(path)  # taken once, before the load
+        digest = digest_if_readable(path)  # taken once, before the load
 
         with self._lock:
             self._digests.pop(lora_name, None)  # set again only once the load succeeded
@@ -133,7 +133,8 @@ class TransformersEngine(Engine):
                     self.model.delete_adapter(lora_name)
                 self.model.load_adapter(path, adapter_name=lora_name)
             self.model.eval()
-            self._digests[lora_name] = digest
+            if digest is not None:
+                self._digests[lora_name] = digest
 
     # --- request handling ----------------------------------------------------------------
 

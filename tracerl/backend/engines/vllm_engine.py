@@ -29,7 +29,7 @@ import aiohttp
 from ...core import settings
 from ...core.engine import Engine, EngineRequestError, EngineSpec, EngineUnavailableError
 from ...core.errors import EngineError
-from ...core.fingerprint import BASE, adapter_digest, note_served
+from ...core.fingerprint import BASE, digest_if_readable, note_served
 from ...core.net import free_port, stop_process_group
 from ...events.hookspecs import hookimpl
 from ..chat_template import chat_template_path
@@ -312,14 +312,16 @@ class VLLMEngine(Engine):
             return False
 
     async def load_adapter(self, lora_name: str, path: Path) -> None:
-        digest = await asyncio.to_thread(adapter_digest, Path(path))  # once, before the load
+        # once, before the load (None: the server reads a mount this process cannot)
+        digest = await asyncio.to_thread(digest_if_readable, Path(path))
         body = {"lora_name": lora_name, "lora_path": str(path), "load_inplace": True}
         self._digests.pop(lora_name, None)  # unknown while vLLM loads it in place
         r = await self._post("/v1/load_lora_adapter", body)
         if r.status_code != 200:
             raise EngineError(f"vLLM refused adapter {lora_name!r} from {path}: {r.text}")
         self._adapters[lora_name] = Path(path)
-        self._digests[lora_name] = digest
+        if digest is not None:
+            self._digests[lora_name] = digest
 
     async def unload_adapter(self, lora_name: str) -> None:
         r = await self._post("/v1/unload_lora_adapter", {"lora_name": lora_name})
