@@ -214,6 +214,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_upload_bytes=args.max_upload_mb * 1024 * 1024,
         max_queued=args.max_queued,
         allow_engine_args=args.allow_engine_args,
+        online=args.online, online_config=args.online_config,
         placement=placement_options(
             replicas=args.replicas, replica_urls=args.replica_url,
             replicas_per_gpu=args.replicas_per_gpu, gpus_per_replica=args.gpus_per_replica,
@@ -307,6 +308,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="let clients pass vLLM flags (EngineConfig.extra_args); they can name server paths",
     )
+    o = p.add_argument_group("online mode (docs/online.md): learn from live traffic")
+    o.add_argument("--online", action="append", default=[], metavar="PROJECT/NAME",
+                   help="train this model on its live calls and their feedback, releasing each "
+                        "version through canary and gates (repeatable; it starts once the "
+                        "model is registered)")
+    o.add_argument("--online-config", default=None, metavar="JSON",
+                   help="OnlineConfig as a JSON object (group_size, groups_per_step, "
+                        "canary_share, evaluate_every, train, gates, poll_s, reward_ttl_s, "
+                        "max_pending, rollout_api)")
     g = p.add_argument_group("replicas (where inference runs, for every model; clients' "
                              "own replica settings are replaced by these)")
     g.add_argument("--replicas", type=int, default=None,

@@ -216,6 +216,7 @@ class LocalBackend(Backend):
         self._engines: dict[tuple[Path, str, str], Engine] = {}
         self._stores: dict[str, ModelStore] = {}
         self._policies: dict[str, Trainer | DistributedPolicy] = {}
+        self._train_from: dict[str, int] = {}  # model folder -> its next step starts from
         self._train_lock = asyncio.Lock()
 
     # --- resources -------------------------------------------------------------------------
@@ -233,6 +234,11 @@ class LocalBackend(Backend):
     async def call_on_gateway(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the gateway's loop (where engines and routes live) and await it."""
         return await self._gateway().call(coro)
+
+    @property
+    def gateway_loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop the gateway, its engines and online mode run on."""
+        return self._gateway().loop
 
     @property
     def serving(self) -> bool:
@@ -307,21 +313,35 @@ class LocalBackend(Backend):
             self._policies[key] = self._policies.pop(key)
         else:
             self._close_least_recent_policies(len(self._policies) + 1 - self.resident_policies)
+        start = self._train_from.pop(key, None)
         if key not in self._policies and self.trainer is not None:
-            step = store.latest_step()
+            step = store.latest_step() if start is None else start
             self._policies[key] = start_distributed_policy(
                 self.trainer, self.gateway.models[model.key].engine.spec.model_path,
                 model.config.lora, store.checkpoint_dir(step) if step > 0 else None,
                 model.config.engine.chat_template, store.root / "logs" / "trainer-ranks.log")
         if key not in self._policies:
             engine = self.gateway.models[model.key].engine
-            step = store.latest_step()
+            step = store.latest_step() if start is None else start
             self._policies[key] = Trainer(
                 model_path=engine.spec.model_path, lora=model.config.lora,
                 adapter_path=store.checkpoint_dir(step) if step > 0 else None,
                 chat_template=model.config.engine.chat_template,
             )
         return self._policies[key]
+
+    async def train_from(self, model: ModelLike, step: int) -> None:
+        """The model's next training step starts from checkpoint ``step`` (0: the base model)
+        instead of its newest one: after a candidate was rolled back, training goes on from
+        the incumbent. The policy in memory, if any, is closed."""
+        store = self.store(model)
+        if step > 0 and step not in store.checkpoint_steps():
+            raise ConfigError(f"{store.root.name} has no checkpoint {step} to train from")
+        key = str(store.root)
+        self._train_from[key] = step
+        policy = self._policies.pop(key, None)
+        if policy is not None:
+            await asyncio.to_thread(policy.close)
 
     def _close_least_recent_policies(self, count: int) -> None:
         """Close the ``count`` least recently trained policies and reclaim their memory (their

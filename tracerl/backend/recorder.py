@@ -142,10 +142,13 @@ class CallStore:
 
     _FILE_LOCKS = 64
 
-    def __init__(self, divert: Callable[[ModelStore, str], Path | None] | None = None) -> None:
+    def __init__(self, divert: Callable[[ModelStore, str], Path | None] | None = None,
+                 after_add: Callable[[ModelStore, LLMCall], None] | None = None) -> None:
         self._file_locks = [threading.Lock() for _ in range(self._FILE_LOCKS)]
         # where a rollout's call goes instead of its file (e.g. after its rollout finished)
         self.divert = divert
+        # told of each call once its record is on disk (the online mode's live calls)
+        self.after_add = after_add
 
     def _file_lock(self, path: Path) -> threading.Lock:
         return self._file_locks[hash(str(path)) % self._FILE_LOCKS]
@@ -158,6 +161,8 @@ class CallStore:
         line = call.json_line()
         with self._file_lock(path):
             append_jsonl(path, line)
+        if self.after_add is not None:
+            self.after_add(store, call)
 
     def take(self, store: ModelStore, rollout_id: str) -> list[LLMCall]:
         """The calls of a rollout, all that its file holds (a torn line is skipped, logged)."""

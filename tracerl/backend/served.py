@@ -41,6 +41,7 @@ class ServedModel:
     versions: dict[int, Path] = field(default_factory=dict)  # resident step -> adapter path
     pins: OrderedDict[str, int] = field(default_factory=OrderedDict)  # rollout -> its version
     release: ReleaseRouting | None = None  # set: release control routes the plain name
+    live: bool = False  # online mode: each plain call gets a live rollout id (live_calls.py)
 
     timeout_s: float = field(init=False)  # a call's deadline (EngineConfig.request_timeout_s)
 

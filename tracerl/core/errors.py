@@ -112,6 +112,14 @@ class RolloutFinishedError(TracerlError, RuntimeError, code="rollout_finished", 
     """A rollout opened through the rollout API was already finished (its reward is final)."""
 
 
+class ResponseNotFoundError(TracerlError, LookupError, code="response_not_found", status=404):
+    """No live call of a model in online mode was answered with this response id."""
+
+
+class FeedbackClosedError(TracerlError, RuntimeError, code="feedback_closed", status=409):
+    """A live call's feedback can no longer be taken: it has its reward already, or expired."""
+
+
 class TooManyExceptionsError(TracerlError, RuntimeError, code="too_many_exceptions"):
     """More rollouts failed than ``max_exceptions`` allows."""
 

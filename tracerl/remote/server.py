@@ -30,6 +30,7 @@ from .wire import API_PREFIX, NDJSON, decode_groups
 
 if TYPE_CHECKING:
     from ..backend.local import LocalBackend
+    from ..backend.online import OnlineConfig, OnlineLoop
 
 SMALL_BODY_BYTES = 1024 * 1024
 
@@ -55,6 +56,7 @@ class ControlServer:
         self.queue = TrainQueue(backend, max_queued=max_queued, heartbeat_s=heartbeat_s)
         self._register_locks: dict[str, asyncio.Lock] = {}
         self.ready = False
+        self.online: dict[str, OnlineLoop] = {}
 
     # --- models ----------------------------------------------------------------------------
 
@@ -122,6 +124,20 @@ class ControlServer:
             restored.append(spec.key)
         self.ready = True
         return restored
+
+    async def run_online(self, key: str, config: OnlineConfig, stop: asyncio.Event) -> None:
+        """Online mode for model ``key`` (``project/name``), from when it is registered until
+        ``stop`` is set (on the gateway's loop)."""
+        from ..backend.online import OnlineLoop
+
+        while key not in self.models:
+            try:
+                await asyncio.wait_for(stop.wait(), 0.5)
+                return
+            except TimeoutError:
+                continue
+        loop = self.online[key] = OnlineLoop(self.backend, self.models[key], config)
+        await loop.run(stop)
 
     # --- routes ----------------------------------------------------------------------------
 
@@ -233,6 +249,17 @@ class ControlServer:
 
             store = self.backend.store(self.model(project, name))
             return asdict(await asyncio.to_thread(ReleaseLog(store.root).state))
+
+        @router.get("/models/{project}/{name}/online")
+        async def online_status(project: str, name: str) -> dict[str, Any]:
+            """Online mode's counts (live calls waiting, trained, expired by reason), release
+            stage and last gate verdict."""
+            model = self.model(project, name)
+            loop = self.online.get(model.key)
+            if loop is None:
+                raise NotRegisteredError(f"model {model.key} is not in online mode on this "
+                                         "server (tracerl serve --online PROJECT/NAME)")
+            return await asyncio.to_thread(loop.status)
 
         @router.post("/models/{project}/{name}/release/{action}")
         async def release_move(project: str, name: str, action: str,

@@ -147,7 +147,8 @@ def orphan_calls(store: ModelStore, groups: Iterable[TrajectoryGroup]) -> dict[s
     claimed = {rid for r in read_jsonl(calls_dir / CLAIMED) for rid in r.get("rollout_ids", [])}
     state = json.loads(state_path.read_text()) if state_path.exists() else {}
     counted, seen = set(state.get("counted", [])), set(state.get("seen", []))
-    recorded = {p.stem for p in calls_dir.glob("*.jsonl") if not p.name.startswith("_")}
+    recorded = {p.stem for p in calls_dir.glob("*.jsonl")  # live calls: online mode counts them
+                if not p.name.startswith(("_", "live-"))}
     unclaimed = recorded - claimed - counted - pending_rollout_ids(store)
     orphans = unclaimed & seen
     n_calls = sum(_lines(store.calls_path(rid)) for rid in orphans)
