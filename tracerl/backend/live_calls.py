@@ -49,6 +49,7 @@ from fastapi.responses import JSONResponse
 from ..core.errors import (
     ConfigError,
     FeedbackClosedError,
+    RequestError,
     ResponseNotFoundError,
     TracerlError,
 )
@@ -353,10 +354,11 @@ class LiveCalls:
 
         async def post(request: Request, response_id: str) -> Any:
             try:
-                body = parse_json_object(await read_limited_body(request, MAX_BODY_BYTES)
-                                         or b"{}")
-                if not isinstance(body, dict):
-                    raise invalid("body", "must be a JSON object")
+                raw = await read_limited_body(request, MAX_BODY_BYTES)
+                try:
+                    body = parse_json_object(raw or b"{}")
+                except RequestError as e:
+                    raise invalid("body", str(e)) from None
                 reward, metrics = _feedback(body)
                 _valid_id(response_id)
                 call = await asyncio.to_thread(self.feedback, response_id, reward, metrics)
