@@ -36,7 +36,7 @@ async def main() -> int:
     p.add_argument("--deadline-s", type=float, default=600)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--feedback-lag", type=int, default=2)
-    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     rng = random.Random(a.seed)
