@@ -30,7 +30,8 @@ from typing import Any
 import httpx
 
 import tracerl
-from tracerl.backend.online import OnlineConfig, OnlineLoop
+from tracerl.backend.online import OnlineLoop
+from tracerl.core.config import OnlineConfig
 from tracerl.demo import SYSTEM, number_reward, scenarios
 from tracerl.events.plugins import get_plugin_manager
 

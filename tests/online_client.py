@@ -46,7 +46,7 @@ async def main() -> int:
     lagging: list[list[tuple[str, float]]] = []
     status: dict = {}
     deadline = time.monotonic() + a.deadline_s
-    async with httpx.AsyncClient(base_url=a.url, headers=headers, timeout=120) as client:
+    async with httpx.AsyncClient(base_url=a.url, headers=headers, timeout=600) as client:
 
         async def one() -> tuple[str, float] | None:
             number = str(rng.randint(100, 9999))

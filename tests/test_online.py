@@ -14,7 +14,7 @@ import pytest
 
 import tracerl
 from tracerl.backend.live_calls import LiveCalls, _ModelLive, events_path
-from tracerl.backend.online import OnlineConfig, OnlineLoop
+from tracerl.backend.online import OnlineLoop, online_config
 from tracerl.core.errors import ConfigError
 from tracerl.core.storage import read_jsonl
 
@@ -26,7 +26,7 @@ async def _online(tf_backend, name: str, **config):
     model = tracerl.TrainableModel(name=name, project="tests", base_model="smollm2",
                                    config=CONFIG)
     await model.register(backend)
-    loop = OnlineLoop(backend, model, OnlineConfig(**config))
+    loop = OnlineLoop(backend, model, online_config(config))
     await loop.start()
     return backend, model, loop
 
@@ -138,6 +138,6 @@ async def test_the_live_log_replays_past_a_torn_line_and_logs_a_recorded_call_it
 
 def test_a_bad_online_config_is_refused_naming_the_field():
     with pytest.raises(ConfigError, match="group_size"):
-        OnlineConfig.parse('{"group_size": 1}')
+        online_config('{"group_size": 1}')
     with pytest.raises(ConfigError, match="gates"):
-        OnlineConfig.parse({"gates": {"margn": 0.1}})
+        online_config({"gates": {"margn": 0.1}})

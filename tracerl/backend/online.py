@@ -28,10 +28,8 @@ import time
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-
 from ..core import settings
-from ..core.config import TrainConfig
+from ..core.config import OnlineConfig
 from ..core.errors import ConfigError
 from ..core.model_spec import ModelSpec, spec_of
 from ..core.release_log import ReleaseState
@@ -48,46 +46,21 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class OnlineConfig(BaseModel):
-    """How online mode forms batches and releases what it trains."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    group_size: int = Field(4, ge=2, description="rewarded live calls of one task key per group")
-    groups_per_step: int = Field(2, ge=1, description="groups per training step")
-    canary_share: float = Field(0.5, gt=0, le=1, description="share of new calls the "
-                                "candidate serves during its canary")
-    evaluate_every: int = Field(4, ge=1, description="new canary rewards between two gate "
-                                "evaluations")
-    train: TrainConfig = Field(default_factory=lambda: TrainConfig(learning_rate=1e-4))
-    gates: dict[str, Any] = Field(default_factory=dict, description="Gates fields "
-                                  "(release_gates.py): min_samples, margin, z, ...")
-    poll_s: float = Field(1.0, gt=0, description="seconds between two ticks")
-    reward_ttl_s: float | None = Field(None, gt=0, description="default: "
-                                       "TRACERL_ONLINE_REWARD_TTL_S")
-    max_pending: int | None = Field(None, ge=1, description="default: "
-                                    "TRACERL_ONLINE_MAX_PENDING")
-    rollout_api: bool = Field(True, description="also train on finished rollout-API groups")
-
-    @field_validator("gates")
-    @classmethod
-    def _known_gates(cls, value: dict[str, Any]) -> dict[str, Any]:
-        known = {f.name for f in fields(Gates)}
-        unknown = set(value) - known
-        if unknown:
-            raise ValueError(f"unknown gates {sorted(unknown)}; known: {sorted(known)}")
-        return value
-
-    @classmethod
-    def parse(cls, raw: str | dict[str, Any] | None) -> OnlineConfig:
-        """From a JSON object (``tracerl serve --online-config``); a ConfigError naming the
-        field that is wrong."""
-        try:
-            if isinstance(raw, str):
-                return cls.model_validate_json(raw)
-            return cls.model_validate(raw or {})
-        except ValueError as e:
-            raise ConfigError(f"invalid online config: {e}") from None
+def online_config(raw: str | dict[str, Any] | OnlineConfig | None) -> OnlineConfig:
+    """An :class:`OnlineConfig` from a JSON object (``tracerl serve --online-config``), its
+    gates checked too; a ConfigError naming the field that is wrong."""
+    try:
+        config = raw if isinstance(raw, OnlineConfig) else \
+            OnlineConfig.model_validate_json(raw) if isinstance(raw, str) else \
+            OnlineConfig.model_validate(raw or {})
+    except ValueError as e:
+        raise ConfigError(f"invalid online config: {e}") from None
+    known = {f.name for f in fields(Gates)}
+    unknown = set(config.gates) - known
+    if unknown:
+        raise ConfigError(f"invalid online config: gates: unknown {sorted(unknown)}; known: "
+                          f"{sorted(known)}")
+    return config
 
 
 class OnlineLoop:
@@ -96,8 +69,9 @@ class OnlineLoop:
     def __init__(self, backend: LocalBackend, model: Any, config: OnlineConfig | None = None
                  ) -> None:
         self.backend, self.spec = backend, spec_of(model)
-        self.config = config or OnlineConfig()
-        self.control = ReleaseControl(backend, self.spec, Gates(**self.config.gates))
+        self.config = online_config(config)
+        gates: dict[str, Any] = dict(self.config.gates)
+        self.control = ReleaseControl(backend, self.spec, Gates(**gates))
         self.last_verdict: Verdict | None = None
         self.trained: list[int] = []
         self.expired_rollouts = 0

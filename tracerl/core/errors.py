@@ -15,6 +15,8 @@
     ├── RolloutTimeoutError (TimeoutError)    rollout_timeout        504
     ├── RolloutNotFoundError (LookupError)    rollout_not_found      404
     ├── RolloutFinishedError (RuntimeError)   rollout_finished       409
+    ├── ResponseNotFoundError (LookupError)   response_not_found     404
+    ├── FeedbackClosedError (RuntimeError)    feedback_closed        409
     ├── TooManyExceptionsError (RuntimeError) too_many_exceptions    500
     ├── EngineError (RuntimeError)            engine_error           503
     │   ├── EngineUnavailableError            engine_unavailable     503

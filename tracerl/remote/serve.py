@@ -68,9 +68,9 @@ def serve(*, host: str, port: int, path: str, api_key: str | None, engine: str |
     if not is_loopback(host):
         log.warning("listening on %s over plain HTTP; put a TLS-terminating proxy in front of it "
                     "so the API key and trajectories are encrypted", host)
-    from ..backend.online import OnlineConfig
+    from ..backend.online import online_config as parse_online_config
 
-    config = OnlineConfig.parse(online_config)  # a bad config: refused before anything starts
+    config = parse_online_config(online_config)  # a bad one: refused before anything starts
     for key in online:
         project, _, name = key.partition("/")
         validate_name("project", project)
