@@ -113,7 +113,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
                 r = await http.post("/chat/completions", headers={
                     "x-tracerl-tags": json.dumps({"task": "repeat"})}, json={
                     "model": model.name, "messages": messages(number), "max_tokens": 16,
-                    "temperature": 1.0})
+                    "temperature": a.temperature})
             if r.status_code != 200:
                 failed.append(f"{r.status_code} {r.text[:200]}")
                 return
@@ -174,6 +174,7 @@ def main() -> int:
     p.add_argument("--groups-per-step", type=int, default=4)
     p.add_argument("--learning-rate", type=float, default=5e-3)
     p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--temperature", type=float, default=0.5, help="of production calls")
     p.add_argument("--held-out", type=int, default=16)
     p.add_argument("--eval-every", type=float, default=6.0, help="sim minutes")
     p.add_argument("--seed", type=int, default=0)

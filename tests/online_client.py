@@ -37,6 +37,7 @@ async def main() -> int:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--feedback-lag", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     rng = random.Random(a.seed)
@@ -52,7 +53,7 @@ async def main() -> int:
             number = str(rng.randint(100, 9999))
             r = await client.post("/v1/chat/completions", headers={
                 "x-tracerl-tags": json.dumps({"task": "repeat"})}, json={
-                "model": name, "max_tokens": a.max_tokens, "temperature": 1.0,
+                "model": name, "max_tokens": a.max_tokens, "temperature": a.temperature,
                 "messages": [{"role": "system", "content": SYSTEM},
                              {"role": "user", "content": f"Repeat this number: {number}"}]})
             if r.status_code != 200:
