@@ -86,7 +86,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     config = OnlineConfig(
         group_size=a.group_size, groups_per_step=a.groups_per_step, canary_share=0.5,
         evaluate_every=8, train=tracerl.TrainConfig(learning_rate=a.learning_rate),
-        gates={"min_samples": 16}, poll_s=0.5,
+        gates={"min_samples": a.min_samples}, poll_s=0.5,
         reward_ttl_s=a.ttl_sim_minutes * 60 / speed)
     loop = OnlineLoop(backend, model, config)
     stop = await backend.call_on_gateway(_event())
@@ -162,7 +162,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sim-minutes", type=float, default=60.0, help="simulated traffic span")
     p.add_argument("--speedup", type=float, default=6.0, help="simulated seconds per real one")
-    p.add_argument("--calls-per-minute", type=float, default=12.0,
+    p.add_argument("--calls-per-minute", type=float, default=6.0,
                    help="production calls per simulated minute")
     p.add_argument("--delay-min", type=float, default=1.0, help="reward delay, sim minutes")
     p.add_argument("--delay-max", type=float, default=20.0)
@@ -171,8 +171,9 @@ def main() -> int:
     p.add_argument("--ttl-sim-minutes", type=float, default=30.0,
                    help="TRACERL_ONLINE_REWARD_TTL_S, in simulated minutes")
     p.add_argument("--group-size", type=int, default=4)
-    p.add_argument("--groups-per-step", type=int, default=4)
+    p.add_argument("--groups-per-step", type=int, default=2)
     p.add_argument("--learning-rate", type=float, default=5e-3)
+    p.add_argument("--min-samples", type=int, default=12, help="gate: rewards per arm")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--temperature", type=float, default=0.5, help="of production calls")
     p.add_argument("--held-out", type=int, default=16)
