@@ -5,7 +5,7 @@ A LocalBackend serves SmolLM2-135M-Instruct (transformers engine) in online mode
 service would: plain chat completions tagged ``task=repeat``, arriving on a simulated clock, each
 reward sent through the feedback route a random delay later (late rewards), a share of them
 never (they expire). The first candidate is trained on inverted rewards (a ``tracerl_online_batch``
-hook flips them: it really learns the wrong thing); the gates should roll it back. Every
+hook gives it 1 for leaving the number out: it really learns the wrong thing); the gates should roll it back. Every
 ``--eval-every`` simulated minutes the incumbent answers held-out numbers greedily; the report
 is held-out success over simulated time, the release decisions, and the expiry counts.
 
@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 
 import tracerl
+from tests.online_bad_candidate_plugin import inverted_reward
 from tracerl.backend.online import OnlineLoop
 from tracerl.core.config import OnlineConfig
 from tracerl.demo import SYSTEM, number_reward, scenarios
@@ -37,7 +38,8 @@ from tracerl.events.plugins import get_plugin_manager
 
 
 class InvertFirstBatch:
-    """The injected fault: the first online batch's rewards are inverted."""
+    """The injected fault: the first online batch gets an inverted reward (1 when the answer
+    leaves out the number, 0 when it repeats it: tests/online_bad_candidate_plugin.py)."""
 
     def __init__(self) -> None:
         self.inverted: list[int] = []
@@ -48,7 +50,7 @@ class InvertFirstBatch:
             self.inverted.append(step)
             for group in groups:
                 for t in group.trajectories:
-                    t.reward = 1.0 - t.reward
+                    t.reward = inverted_reward(t)
 
 
 def messages(number: str) -> list[dict[str, str]]:
@@ -86,7 +88,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     config = OnlineConfig(
         group_size=a.group_size, groups_per_step=a.groups_per_step, canary_share=0.5,
         evaluate_every=8, train=tracerl.TrainConfig(learning_rate=a.learning_rate),
-        gates={"min_samples": a.min_samples}, poll_s=0.5,
+        gates={"min_samples": a.min_samples, "margin": a.margin}, poll_s=0.5,
         reward_ttl_s=a.ttl_sim_minutes * 60 / speed)
     loop = OnlineLoop(backend, model, config)
     stop = await backend.call_on_gateway(_event())
@@ -171,9 +173,10 @@ def main() -> int:
     p.add_argument("--ttl-sim-minutes", type=float, default=30.0,
                    help="TRACERL_ONLINE_REWARD_TTL_S, in simulated minutes")
     p.add_argument("--group-size", type=int, default=4)
-    p.add_argument("--groups-per-step", type=int, default=2)
+    p.add_argument("--groups-per-step", type=int, default=4)
     p.add_argument("--learning-rate", type=float, default=5e-3)
-    p.add_argument("--min-samples", type=int, default=12, help="gate: rewards per arm")
+    p.add_argument("--min-samples", type=int, default=16, help="gate: rewards per arm")
+    p.add_argument("--margin", type=float, default=0.15, help="gate: reward margin")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--temperature", type=float, default=0.5, help="of production calls")
     p.add_argument("--held-out", type=int, default=16)

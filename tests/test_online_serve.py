@@ -1,7 +1,7 @@
 """Online mode end to end: a real ``tracerl serve --online`` and a production client in its own
 process (tests/online_client.py) sending plain calls and, rounds later, their rewards through
-the feedback route. The first candidate is trained on inverted rewards (a server plugin flips
-them: it really learns the wrong thing) and is rolled back by the gates, never promoted; the
+the feedback route. The first candidate is trained on an inverted reward (a server plugin
+rewards leaving the number out: it really learns the wrong thing) and is rolled back by the gates, never promoted; the
 second, trained on the true rewards from the incumbent, is promoted. No call fails meanwhile."""
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from tracerl.core.storage import ModelStore, read_jsonl
 from .remote_server import API_KEY, ROOT, ServerProcess, registered_on
 
 CONFIG = tracerl.ModelConfig(engine=tracerl.EngineConfig(max_model_len=256))
-ONLINE = {"group_size": 4, "groups_per_step": 2, "canary_share": 0.5, "evaluate_every": 8,
+ONLINE = {"group_size": 4, "groups_per_step": 4, "canary_share": 0.5, "evaluate_every": 8,
           "train": {"learning_rate": 5e-3}, "poll_s": 0.5,
-          "gates": {"min_samples": 12}}
+          "gates": {"min_samples": 16, "margin": 0.15}}
 
 
 @pytest.mark.slow
