@@ -4,10 +4,11 @@ A LocalBackend serves SmolLM2-135M-Instruct (transformers engine) in online mode
 (:class:`tracerl.backend.online.OnlineLoop`). A traffic simulator calls it as a production
 service would: plain chat completions tagged ``task=repeat``, arriving on a simulated clock, each
 reward sent through the feedback route a random delay later (late rewards), a share of them
-never (they expire). The first candidate is trained on inverted rewards (a ``tracerl_online_batch``
-hook gives it 1 for leaving the number out: it really learns the wrong thing); the gates should roll it back. Every
-``--eval-every`` simulated minutes the incumbent answers held-out numbers greedily; the report
-is held-out success over simulated time, the release decisions, and the expiry counts.
+never (they expire). The first candidate is trained on an inverted reward (a
+``tracerl_online_batch`` hook gives 1 for leaving the number out: it really learns the wrong
+thing); the gates should roll it back. Every ``--eval-every`` simulated minutes the incumbent
+answers held-out numbers greedily; the report is held-out success over simulated time, the
+release decisions, and the expiry counts.
 
 The simulated clock runs ``--speedup`` times faster than the wall clock: an hour of traffic
 (``--sim-minutes 60``) with ``--speedup 6`` arrives in 10 real minutes; reward delays and the

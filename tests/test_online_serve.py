@@ -1,8 +1,9 @@
 """Online mode end to end: a real ``tracerl serve --online`` and a production client in its own
 process (tests/online_client.py) sending plain calls and, rounds later, their rewards through
 the feedback route. The first candidate is trained on an inverted reward (a server plugin
-rewards leaving the number out: it really learns the wrong thing) and is rolled back by the gates, never promoted; the
-second, trained on the true rewards from the incumbent, is promoted. No call fails meanwhile."""
+rewards leaving the number out: it really learns the wrong thing) and is rolled back by the
+gates, never promoted; the second, trained on the true rewards from the incumbent, is
+promoted. No call fails meanwhile."""
 
 from __future__ import annotations
 
