@@ -8,8 +8,8 @@ the feedback route, keyed by the response id it got.
 Traffic comes in rounds of ``--concurrency`` calls; the feedback for a round is sent
 ``--feedback-lag`` rounds later (late rewards). It stops when the model's online status shows
 ``--until-steps`` trained versions all decided (none left in canary), or at the deadline, and
-prints one JSON line: calls, failed calls (any non-200 answer), feedback answers by status,
-and the online status it saw last.
+prints one JSON line: calls, failed calls (any non-200 answer), feedback answers by status
+(with the message of each refused one), and the online status it saw last.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ async def main() -> int:
     rng = random.Random(a.seed)
     project, name = a.model.split("/")
     headers = {"authorization": f"Bearer {a.key}"}
-    calls, failed, feedback = 0, [], Counter[int]()
+    calls, failed, refused, feedback = 0, [], [], Counter[int]()
     lagging: list[list[tuple[str, float]]] = []
     status: dict = {}
     deadline = time.monotonic() + a.deadline_s
@@ -71,12 +71,15 @@ async def main() -> int:
                 for response_id, reward in lagging.pop(0):
                     r = await client.post(f"/v1/feedback/{response_id}", json={"reward": reward})
                     feedback[r.status_code] += 1
+                    if r.status_code != 200:
+                        refused.append(f"{r.status_code} {r.text[:300]}")
             r = await client.get(f"/api/v1/models/{project}/{name}/online")
             if r.status_code == 200:
                 status = r.json()
                 if len(status["trained_steps"]) >= a.until_steps and status["candidate"] is None:
                     break
     print(json.dumps({"calls": calls, "failed": failed, "feedback": dict(feedback),
+                      "refused_feedback": refused,
                       "status": status, "timed_out": time.monotonic() >= deadline}))
     return 0
 
