@@ -89,7 +89,9 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     config = OnlineConfig(
         group_size=a.group_size, groups_per_step=a.groups_per_step, canary_share=0.5,
         evaluate_every=8, train=tracerl.TrainConfig(learning_rate=a.learning_rate),
-        gates={"min_samples": a.min_samples, "margin": a.margin}, poll_s=0.5,
+        gates={"min_samples": a.min_samples, "margin": a.margin,
+               "length_ratio": [0.1, 10.0]},  # the task rewards brevity: no length drift
+        poll_s=0.5,
         reward_ttl_s=a.ttl_sim_minutes * 60 / speed)
     loop = OnlineLoop(backend, model, config)
     stop = await backend.call_on_gateway(_event())

@@ -23,7 +23,8 @@ from .remote_server import API_KEY, ROOT, ServerProcess, registered_on
 CONFIG = tracerl.ModelConfig(engine=tracerl.EngineConfig(max_model_len=256))
 ONLINE = {"group_size": 4, "groups_per_step": 4, "canary_share": 0.5, "evaluate_every": 8,
           "train": {"learning_rate": 5e-3}, "poll_s": 0.5,
-          "gates": {"min_samples": 16, "margin": 0.15}}
+          # the task rewards brevity: a better answer is much shorter, so length is no drift
+          "gates": {"min_samples": 16, "margin": 0.15, "length_ratio": [0.1, 10.0]}}
 
 
 @pytest.mark.slow
@@ -62,7 +63,7 @@ async def test_a_bad_candidate_is_rolled_back_and_a_good_one_promoted_under_live
     promoted = [r["step"] for r in records if r["event"] == "commit" and r["action"] == "promote"]
     assert rejected == [1] and promoted == [2], (records, log_tail)
     gate = [r for r in records if r["event"] == "gate" and r["step"] == 1][-1]
-    assert gate["verdict"] == "rollback" and "reward" in gate["tripped"][0]
+    assert gate["verdict"] == "rollback" and "reward" in gate["tripped"][0], gate
     assert gate["evidence"]["reward_diff"] < 0
 
     # step 2 trained from the incumbent (the base model), never from the rolled-back step 1;

@@ -8,7 +8,8 @@ One loop per model, on the gateway's event loop. Each tick:
    Rollout-API rollouts still open after ``reward_ttl_s`` are finished as failed. Counted;
 2. a candidate in **canary**: once ``evaluate_every`` new rewards came back for calls served
    since the canary started, the gates judge it (:meth:`.release.ReleaseControl.evaluate`):
-   promote, roll back, hold (a person decides: ``tracerl promote`` / ``rollback``) or wait;
+   promote, roll back, hold (``on_hold``: rejected, or a person decides with ``tracerl
+   promote`` / ``rollback``) or wait;
 3. no candidate: when ``groups_per_step`` groups are ready -- ``group_size`` rewarded live
    calls with one task key each, topped up with finished rollout-API groups -- they are taken
    (one fsynced event), ``tracerl_online_batch`` fires, the step trains **from the incumbent**
@@ -152,6 +153,8 @@ class OnlineLoop:
         self.last_verdict = verdict
         log.info("%s: candidate %d on %d canary rewards: %s %s", self.spec.key, state.candidate,
                  len(rewards), verdict.decision, "; ".join(verdict.tripped))
+        if verdict.decision == "hold" and self.config.on_hold == "reject":
+            await self.control.reject(state.candidate, "held: " + "; ".join(verdict.tripped))
         if verdict.decision != "continue":
             self._evaluated_at = 0
         return verdict.decision

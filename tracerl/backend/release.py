@@ -195,7 +195,7 @@ class ReleaseControl:
                                 verdict="pass" if ok else "fail", tripped=verdict.tripped,
                                 evidence=verdict.evidence)
         if not ok:
-            await self._reject(release.candidate, f"shadow: {'; '.join(verdict.tripped)}")
+            await self.reject(release.candidate, f"shadow: {'; '.join(verdict.tripped)}")
         return verdict
 
     async def start_canary(self, share: float) -> None:
@@ -239,7 +239,7 @@ class ReleaseControl:
         if verdict.decision == "promote":
             await self.promote(step, reason="gates passed")
         elif verdict.decision == "rollback":
-            await self._reject(step, "; ".join(verdict.tripped))
+            await self.reject(step, "; ".join(verdict.tripped))
         elif verdict.decision == "hold":  # (the gate record says so: the canary stops)
             release = self._candidate_routing()
             self.route.release = ReleaseRouting(release.incumbent, step, 0.0)
@@ -252,7 +252,7 @@ class ReleaseControl:
         return await self.backend.call_on_gateway(
             move_incumbent(self.route, "rollback", to, reason=reason))
 
-    async def _reject(self, step: int, reason: str) -> None:
+    async def reject(self, step: int, reason: str) -> None:
         """The candidate goes (the incumbent never changed): recorded, routed away."""
         release = self._candidate_routing()
         await asyncio.to_thread(self.log.append, "rejected", step=step, reason=reason)
