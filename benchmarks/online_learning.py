@@ -33,7 +33,9 @@ import httpx
 import tracerl
 from tests.online_bad_candidate_plugin import inverted_reward
 from tracerl.backend.online import OnlineLoop
+from tracerl.backend.training.health import CLAIMED
 from tracerl.core.config import OnlineConfig
+from tracerl.core.storage import ModelStore, append_jsonl
 from tracerl.demo import SYSTEM, number_reward, scenarios
 from tracerl.events.plugins import get_plugin_manager
 
@@ -59,8 +61,8 @@ def messages(number: str) -> list[dict[str, str]]:
             {"role": "user", "content": f"Repeat this number: {number}"}]
 
 
-async def held_out(http: httpx.AsyncClient, name: str, step: int, numbers: list[str]
-                   ) -> dict[str, float]:
+async def held_out(http: httpx.AsyncClient, store: ModelStore, name: str, step: int,
+                   numbers: list[str]) -> dict[str, float]:
     """Greedy answers of version ``step`` on ``numbers``: mean reward and exact share."""
     async def one(i: int, number: str) -> float:
         r = await http.post("/chat/completions", headers={"x-rollout-id": f"heldout-{step}-{i}"},
@@ -70,6 +72,8 @@ async def held_out(http: httpx.AsyncClient, name: str, step: int, numbers: list[
         return number_reward(r.json()["choices"][0]["message"]["content"] or "", number)
 
     rewards = await asyncio.gather(*(one(i, n) for i, n in enumerate(numbers)))
+    append_jsonl(store.root / "calls" / CLAIMED,  # evaluation calls: not orphans
+                 {"rollout_ids": [f"heldout-{step}-{i}" for i in range(len(numbers))]})
     return {"reward": sum(rewards) / len(rewards),
             "exact": sum(r == 1.0 for r in rewards) / len(rewards)}
 
@@ -136,7 +140,8 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
             while minute <= a.sim_minutes:
                 await at_sim(minute)
                 state = loop.control.state()
-                score = await held_out(http, model.name, state.incumbent or 0, numbers)
+                score = await held_out(http, backend.store(model), model.name,
+                                       state.incumbent or 0, numbers)
                 timeline.append({"sim_minute": round(sim_now(), 1), "incumbent": state.incumbent,
                                  "candidate": state.candidate, **score})
                 print(f"sim {sim_now():5.1f} min  incumbent {state.incumbent}  held-out reward "
