@@ -141,6 +141,50 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_release(args: argparse.Namespace) -> int:
+    """``tracerl promote MODEL N`` / ``tracerl rollback MODEL --to N``: through a running
+    ``tracerl serve`` (effective for its next call), or in a model folder (``--path``: read
+    when the server next starts)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from .core import settings
+    from .core.errors import ConfigError
+
+    project, _, name = args.model.rpartition("/")
+    if not project:
+        raise ConfigError(f"MODEL must be PROJECT/NAME, not {args.model!r}")
+    step = args.step if args.command == "promote" else args.to
+    if args.path:
+        from .core.release_log import ReleaseLog
+        from .core.storage import ModelStore
+
+        store = ModelStore(args.path, project, name)
+        if step > 0 and step not in store.checkpoint_steps():
+            raise ConfigError(f"{args.model} has no checkpoint {step} "
+                              f"(checkpoints: {store.checkpoint_steps()})")
+        releases = ReleaseLog(store.root)
+        releases.begin(args.command, step, releases.recover().incumbent, reason="by hand")
+        releases.commit(args.command, step)
+        print(f"{args.model}: incumbent {step} (served when the server next starts)")
+        return 0
+    key = settings.read_named(args.api_key_env) or "tracerl-local"
+    body = {"step": step} if args.command == "promote" else {"to": step}
+    request = urllib.request.Request(
+        f"{args.server.rstrip('/')}/api/v1/models/{project}/{name}/release/{args.command}",
+        data=json.dumps(body).encode(), method="POST",
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(request, timeout=args.timeout) as r:
+            answer = json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        print(f"tracerl: error: {e.code} {e.read().decode(errors='replace')}", file=sys.stderr)
+        return 2
+    print(f"{args.model}: incumbent {answer['incumbent']}")
+    return 0
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     import json
 
@@ -200,6 +244,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_upload_bytes=args.max_upload_mb * 1024 * 1024,
         max_queued=args.max_queued,
         allow_engine_args=args.allow_engine_args,
+        online=args.online, online_config=args.online_config,
         placement=placement_options(
             replicas=args.replicas, replica_urls=args.replica_url,
             replicas_per_gpu=args.replicas_per_gpu, gpus_per_replica=args.gpus_per_replica,
@@ -313,6 +358,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="let clients pass vLLM flags (EngineConfig.extra_args); they can name server paths",
     )
+    o = p.add_argument_group("online mode (docs/online.md): learn from live traffic")
+    o.add_argument("--online", action="append", default=[], metavar="PROJECT/NAME",
+                   help="train this model on its live calls and their feedback, releasing each "
+                        "version through canary and gates (repeatable; it starts once the "
+                        "model is registered)")
+    o.add_argument("--online-config", default=None, metavar="JSON",
+                   help="OnlineConfig as a JSON object (group_size, groups_per_step, "
+                        "canary_share, evaluate_every, train, gates, poll_s, reward_ttl_s, "
+                        "max_pending, rollout_api)")
     g = p.add_argument_group("replicas (where inference runs, for every model; clients' "
                              "own replica settings are replaced by these)")
     g.add_argument("--replicas", type=int, default=None,
@@ -329,6 +383,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--publish-mount", default=None,
                    help="where the servers see an fsspec --publish-dir (s3://...) mounted")
     p.set_defaults(func=_cmd_serve)
+
+    for action in ("promote", "rollback"):
+        p = sub.add_parser(action, help="make version N the model's incumbent (release control)"
+                           if action == "promote" else "serve an earlier version N again")
+        p.add_argument("model", metavar="MODEL", help="PROJECT/NAME")
+        if action == "promote":
+            p.add_argument("step", type=int, metavar="N", help="the checkpoint step to serve")
+        else:
+            p.add_argument("--to", type=int, required=True, metavar="N",
+                           help="the checkpoint step to serve (0: the base model)")
+        p.add_argument("--server", default="http://127.0.0.1:8000",
+                       help="the running `tracerl serve` (default http://127.0.0.1:8000)")
+        p.add_argument("--api-key-env", default="TRACERL_API_KEY",
+                       help="environment variable holding the server's API key")
+        p.add_argument("--path", default=None,
+                       help="no server: write the model folder's release log under this "
+                            "base path instead (read when the server next starts)")
+        p.add_argument("--timeout", type=float, default=600.0,
+                       help="seconds to wait for the server (loading the version included)")
+        p.set_defaults(func=_cmd_release)
 
     p = sub.add_parser("proxy", help="run a LiteLLM proxy in front of a tracerl gateway")
     p.add_argument("--backend-url", required=True, help="the gateway's OpenAI base URL (.../v1)")

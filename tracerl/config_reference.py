@@ -27,6 +27,7 @@ from .core.config import (
     EngineConfig,
     LoraConfig,
     ModelConfig,
+    OnlineConfig,
     TrainConfig,
     TrainSFTConfig,
 )
@@ -38,7 +39,7 @@ PAGE = Path("docs") / "configuration.md"
 # the models a user fills in, in the order a reader meets them
 CONFIG_MODELS: tuple[type[BaseModel], ...] = (
     TrainConfig, TrainSFTConfig, ModelConfig, LoraConfig, EngineConfig, DistributedTrainerConfig,
-    ModelSpec)
+    ModelSpec, OnlineConfig)
 
 _BOUNDS = ((annotated_types.Gt, "gt", ">"), (annotated_types.Ge, "ge", ">="),
            (annotated_types.Lt, "lt", "<"), (annotated_types.Le, "le", "<="))

@@ -4,8 +4,10 @@ Each finding is ``pass``, ``warn`` or ``fail`` with the fix. The live check serv
 model (transformers engine by default) and loads it as the trainer would, then checks that a
 chat template round-trips (render -> tokens -> text), that the engine's prompt tokens are the
 trainer's rendering, that engine and trainer logprobs agree on a few sequences, and that an
-adapter swap changes the served logprobs (and the trainer still agrees). The run check applies
-every step-health item (:mod:`tracerl.backend.training.health`) to the run's history, and
+adapter swap changes the served logprobs (and the trainer still agrees) and that the engine
+reports the swapped adapter's fingerprint. The run check applies every step-health item
+(:mod:`tracerl.backend.training.health`) to the run's history, checks every recorded call's
+served-policy fingerprint against its checkpoint (:mod:`tracerl.core.fingerprint`), and
 explains an agent run in agent terms (``agent/...``): tool-call validity, LLM calls (turns)
 per rollout, calls that reached the gateway outside a rollout or after it, and whether its
 equal-reward groups mean no signal or a solved task (all rollouts at the top reward, or
@@ -235,8 +237,8 @@ async def live_checks(base_model: str = "smollm2", engine: str = "transformers",
                 f"(tolerance {LOGPROB_TOLERANCE})",
                 "the engine and trainer compute different models: check dtype, weights and "
                 "chat template (the engine's prompt tokens are the trainer's input)"))
-            out.append(await _swap_check(backend, model, policy, route, calls, Path(tmp),
-                                         max_tokens))
+            out += await _swap_check(backend, model, policy, route, calls, Path(tmp),
+                                     max_tokens)
         except Exception as e:  # a live check that cannot run is itself the finding
             out.append(Finding("live", "model", "fail", f"{type(e).__name__}: {e}",
                                "see the error; `tracerl prepare-model` and the env checks"))
@@ -246,9 +248,12 @@ async def live_checks(base_model: str = "smollm2", engine: str = "transformers",
 
 
 async def _swap_check(backend: Any, model: Any, policy: Any, route: Any, before: list[Any],
-                      tmp: Path, max_tokens: int) -> Finding:
-    """Perturb the trainer's LoRA, serve it, and check the served logprobs move with it."""
+                      tmp: Path, max_tokens: int) -> list[Finding]:
+    """Perturb the trainer's LoRA, serve it, and check the served logprobs move with it and
+    that the engine reports the new adapter's fingerprint for the calls it serves."""
     import torch
+
+    from .core.fingerprint import BASE, adapter_digest
 
     with torch.no_grad():
         gen = torch.Generator().manual_seed(0)
@@ -264,11 +269,21 @@ async def _swap_check(backend: Any, model: Any, policy: Any, route: Any, before:
                 for a, c in zip(first, after, strict=True))
     diff, _ = await asyncio.to_thread(_engine_vs_trainer, policy, after)
     ok = moved > 0 and diff <= LOGPROB_TOLERANCE
-    return Finding("live", "adapter swap", "pass" if ok else "fail",
+    swap = Finding("live", "adapter swap", "pass" if ok else "fail",
                    f"a new adapter changed {moved} of {len(after)} served first tokens or "
                    f"logprobs; engine vs trainer after the swap {diff:.4f} nats",
                    "the engine does not serve the adapter it was given: check the engine's "
                    "LoRA support (max_lora_rank, enable_lora) and the adapter's target modules")
+    want = await asyncio.to_thread(adapter_digest, adapter)
+    right = sum(c.adapter_digest == BASE for c in before) + \
+        sum(c.adapter_digest == want for c in after)
+    total = len(before) + len(after)
+    fingerprint = Finding(
+        "live", "served fingerprint", "pass" if right == total else "fail",
+        f"{right} of {total} calls recorded the digest of the weights they claim (base, then "
+        f"{want[:19]}...)", "the engine does not report what serves each call: an engine "
+        "plugin should call tracerl.core.fingerprint.note_served")
+    return [swap, fingerprint]
 
 
 # --- a run's folder ---------------------------------------------------------------------------
@@ -301,7 +316,8 @@ def run_checks(model_dir: str | Path) -> list[Finding]:
     train = [h for h in history if h.get("split") == "train"]
     out = [Finding("run", "steps", "pass" if train else "warn",
                    f"{len(train)} training steps recorded",
-                   "no training step yet: run model.train(groups)")]
+                   "no training step yet: run model.train(groups)"),
+           fingerprint_finding(model_dir)]
     if not train:
         return out
     held_out = _held_out_success(history)
@@ -448,6 +464,27 @@ def agent_checks(model_dir: Path, train: list[dict[str, Any]], solved: set[int],
             "every rollout of a group scored alike: raise the group size, sample hotter, give "
             "partial credit, or pick tasks the model solves sometimes"))
     return out
+
+
+def fingerprint_finding(model_dir: Path) -> Finding:
+    """Every recorded call of the run (``calls/``) checked against its checkpoint's digest."""
+    from .core.fingerprint import check_calls
+    from .core.trajectory import LLMCall
+
+    calls = (LLMCall.model_validate(r) for p in sorted((model_dir / "calls").glob("*.jsonl"))
+             for r in read_jsonl(p) if "id" in r)
+    check = check_calls(model_dir / "checkpoints", calls)
+    seen = (f"{check.checked} calls checked against their checkpoints' digests, "
+            f"{check.unverified} unverified (no digest recorded, or the checkpoint is gone)")
+    if check.refused:
+        return Finding("run", "served fingerprint", "fail",
+                       f"{len(check.refused)} calls were served by other weights than they "
+                       f"claim ({seen}); e.g. {check.examples[0]}",
+                       "something loaded another adapter into the engine, or an adapter sync "
+                       "failed: those calls are refused by the trainer")
+    return Finding("run", "served fingerprint", "pass" if check.checked else "warn", seen,
+                   "no call carries a served-policy digest: record calls through the gateway "
+                   "(engines note what served each call)")
 
 
 # --- the command ------------------------------------------------------------------------------

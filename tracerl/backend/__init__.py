@@ -16,6 +16,8 @@ In flow order (one request, then one training step):
 - ``stream_pump.py``: a streamed call, forwarded chunk by chunk and recorded by its own task.
 - ``external_rollouts.py``: the rollout API (``/v1/rollouts``) for services outside the
   trainer's process: open, spans, reward, finish; the trainer takes finished groups once.
+- ``live_calls.py``: online mode's live calls: a plain call is a rollout of its own, its
+  feedback (``/v1/feedback/{response_id}``) comes later; expiry; groups by task key.
 - ``replies.py``: engine replies as records need them: streams assembled, entries reduced.
 - ``recorder.py``: turns engine answers into token-exact ``LLMCall`` records, kept per rollout.
 - ``engines/``: vLLM (a server subprocess) and transformers (in process) behind ``Engine``;
@@ -24,6 +26,12 @@ In flow order (one request, then one training step):
 - ``chat_template.py``: chat templates, the same for serving and training.
 - ``weights.py``: ``base_model`` to a local folder (the embedded SmolLM2 included).
 - ``training/``: rows, advantages, loss, the policy, and the step itself (``step.py``).
+- ``release.py``: release control: a trained version goes shadow -> canary (a sticky share
+  of rollouts) -> promoted or rolled back, each stage in the model's release log.
+- ``release_gates.py``: the gates a candidate passes: reward vs the incumbent with a
+  confidence bound, error rate, p95 latency, drift monitors.
+- ``online.py``: online mode's loop: expire, judge the canary, train a batch of live calls
+  from the incumbent and release it through canary and gates.
 - ``launchers/``: where distributed trainer ranks and replicas run (``local``, ``ray``).
 - ``object_sync.py``: a model's folder pushed to and pulled from object storage (S3 via fsspec),
   to resume training on another machine (ART's ``_experimental_push_to_s3`` / ``_pull_from_s3``).

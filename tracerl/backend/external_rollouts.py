@@ -357,6 +357,19 @@ class ExternalRollouts:
         with self._lock:
             return self._of(store).counts()
 
+    def expire_open(self, store: ModelStore, older_than: float) -> list[str]:
+        """Finish, as failed, the rollouts of ``store`` still open that were opened before
+        ``older_than`` (online mode's expiry: their reward never came; a later one is a 409)."""
+        with self._lock:
+            state = self._of(store)
+            doomed = [r for r in state.rollouts.values()
+                      if r.status is None and r.created_at < older_than]
+            for r in doomed:
+                state.write({"event": "finish", "rollout_id": r.rollout_id, "at": time.time(),
+                             "metrics": {}, "status": "failed",
+                             "error": "expired: no reward within TRACERL_ONLINE_REWARD_TTL_S"})
+            return [r.rollout_id for r in doomed]
+
     # --- routes ----------------------------------------------------------------------------
 
     def install(self, app: FastAPI, answer_error: Callable[[TracerlError], JSONResponse]

@@ -4,7 +4,8 @@ One call reads straight through: the protocol that owns the route translates the
 (:mod:`.protocols`), the model table resolves the model and its adapter (:mod:`.served`), the
 call is admitted past any adapter swap, the engine answers (streams: :mod:`.stream_pump`), the
 recorder writes the token-exact record (:mod:`.recorder`), and the protocol renders the answer.
-Rollouts are attributed by path (``/rollouts/{id}/v1/...``) or by the ``x-rollout-id`` header.
+Rollouts are attributed by path (``/rollouts/{id}/v1/...``) or by the ``x-rollout-id`` header;
+a plain call to a model in online mode is a live rollout of its own (:mod:`.live_calls`).
 Every call is recorded before the response is returned. Errors are OpenAI-shaped: bad requests
 get 4xx, an engine that is down gets 503 (and is restarted, :mod:`.supervisor`), a request that
 runs past its deadline gets 504: never a hang.
@@ -29,6 +30,7 @@ from .http_answers import (
     install_error_answers,
     openai_error,
 )
+from .live_calls import LiveCalls, live_rollout_id
 from .protocols.base import Protocol
 from .protocols.registry import load_protocols
 from .recorder import CallStore, Recorder
@@ -53,7 +55,9 @@ class Gateway:
         self.check_auth = bearer_key_check(api_key)
         self.models = ModelTable()
         self.rollouts = ExternalRollouts(self.models)  # the rollout API for outside services
-        self.recorder = Recorder(CallStore(divert=self.rollouts.divert_late))
+        self.live = LiveCalls(self.models)  # online mode: production calls and their feedback
+        self.recorder = Recorder(CallStore(divert=self.rollouts.divert_late,
+                                           after_add=self.live.recorded))
         self.protocols: dict[str, Protocol] = {p.name: p for p in load_protocols()}
         self.supervisor = EngineSupervisor(restart_grace_s)
         self._streams: set[asyncio.Task[None]] = set()  # stream pumps in flight
@@ -79,6 +83,7 @@ class Gateway:
         app.add_middleware(KeyRequired, check=self.check_auth, exempt=("/health",))
         install_error_answers(app)
         self.rollouts.install(app, error_response)
+        self.live.install(app, error_response)
 
         @app.get("/health")
         async def health() -> dict[str, Any]:  # no key needed, so it tells nothing about models
@@ -114,6 +119,10 @@ class Gateway:
             body = exchange.chat_body
             who = attribution(path_rollout, request.headers)
             served, engine_model, step = self.models.route(body.get("model"), who.rollout_id)
+            if who.rollout_id is None and served.live and "@" not in body["model"]:
+                # online mode: a plain call is a live rollout of its own (canary-routed by it)
+                who = Attribution(live_rollout_id(), who.tags)
+                served, engine_model, step = self.models.route(body["model"], who.rollout_id)
             check_request(endpoint, body,
                           max_model_len=served.engine.spec.config.max_model_len)
             streamed = bool(body.get("stream"))

@@ -24,6 +24,7 @@ from ..core.engine import Engine, EngineError, EngineSpec
 from ..core.errors import ConfigError, RankFailedError, StepsFailedError, TrainingError
 from ..core.model_spec import ModelLike, ModelSpec, spec_of
 from ..core.net import is_loopback
+from ..core.release_log import ReleaseLog
 from ..core.spans import Span
 from ..core.storage import ModelStore
 from ..core.trajectory import (
@@ -226,6 +227,7 @@ class LocalBackend(Backend):
         self._stores: dict[str, ModelStore] = {}
         self._policies: dict[str, Trainer | DistributedPolicy] = {}
         self._bases: dict[tuple[Path, str, str | None], SharedBase] = {}
+        self._train_from: dict[str, int] = {}  # model folder -> its next step starts from
         self._train_lock = asyncio.Lock()
 
     # --- resources -------------------------------------------------------------------------
@@ -243,6 +245,11 @@ class LocalBackend(Backend):
     async def call_on_gateway(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the gateway's loop (where engines and routes live) and await it."""
         return await self._gateway().call(coro)
+
+    @property
+    def gateway_loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop the gateway, its engines and online mode run on."""
+        return self._gateway().loop
 
     @property
     def serving(self) -> bool:
@@ -318,7 +325,8 @@ class LocalBackend(Backend):
         if key in self._policies:  # the most recently trained model goes last
             self._policies[key] = self._policies.pop(key)
             return self._policies[key]
-        step = store.latest_step()
+        start = self._train_from.pop(key, None)
+        step = store.latest_step() if start is None else start
         checkpoint = store.checkpoint_dir(step) if step > 0 else None
         model_path = self.gateway.models[model.key].engine.spec.model_path
         chat_template = model.config.engine.chat_template
@@ -358,6 +366,17 @@ class LocalBackend(Backend):
         if policy is not None:
             policy.close()
         self._bases = {k: b for k, b in self._bases.items() if not b.closed}
+
+    async def train_from(self, model: ModelLike, step: int) -> None:
+        """The model's next training step starts from checkpoint ``step`` (0: the base model)
+        instead of its newest one: after a candidate was rolled back, training goes on from
+        the incumbent. The policy in memory, if any, is closed."""
+        store = self.store(model)
+        if step > 0 and step not in store.checkpoint_steps():
+            raise ConfigError(f"{store.root.name} has no checkpoint {step} to train from")
+        key = str(store.root)
+        self._train_from[key] = step
+        await asyncio.to_thread(self._close_policy, key)
 
     def _close_least_recent_policies(self, count: int) -> None:
         """Close the policies of the ``count`` least recently trained base weights in memory
@@ -401,7 +420,11 @@ class LocalBackend(Backend):
                 resident=model.config.engine.resident_adapters))
         route = self.gateway.models[model.key]
         step = store.latest_step()
-        if step > 0 and route.step != step:
+        if ReleaseLog(store.root).exists():  # release control: the committed incumbent
+            from .release import attach
+
+            await self._gateway().call(attach(route))
+        elif step > 0 and route.step != step:
             await self._gateway().call(route.swap_adapter(step, store.checkpoint_dir(step)))
         freeze_long_lived_objects()
         return InferenceEndpoint(self.base_url, self.api_key or "tracerl-local",

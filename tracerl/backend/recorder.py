@@ -108,7 +108,8 @@ def completions_from_response(
 
 def build_call(*, endpoint: str, caller_body: dict[str, Any], response: dict[str, Any] | None,
                rollout_id: str | None, model: str, adapter_step: int | None, latency_s: float,
-               streamed: bool, error: str | None = None) -> LLMCall:
+               streamed: bool, error: str | None = None,
+               adapter_digest: str | None = None) -> LLMCall:
     prompt_ids, completions = (
         completions_from_response(endpoint, response) if response else ([], [])
     )
@@ -121,7 +122,8 @@ def build_call(*, endpoint: str, caller_body: dict[str, Any], response: dict[str
         response = strip_for_caller(endpoint, {**caller_body, "return_token_ids": True}, response)
     return LLMCall(
         id="call-" + uuid.uuid4().hex, rollout_id=rollout_id, endpoint=endpoint, model=model,
-        adapter_step=adapter_step, request=request, response=response,
+        adapter_step=adapter_step, adapter_digest=adapter_digest, request=request,
+        response=response,
         prompt_token_ids=prompt_ids, completions=completions,
         temperature=1.0 if temperature is None else float(temperature),
         streamed=streamed, latency_s=latency_s, created_at=time.time(), error=error,
@@ -140,10 +142,13 @@ class CallStore:
 
     _FILE_LOCKS = 64
 
-    def __init__(self, divert: Callable[[ModelStore, str], Path | None] | None = None) -> None:
+    def __init__(self, divert: Callable[[ModelStore, str], Path | None] | None = None,
+                 after_add: Callable[[ModelStore, LLMCall], None] | None = None) -> None:
         self._file_locks = [threading.Lock() for _ in range(self._FILE_LOCKS)]
         # where a rollout's call goes instead of its file (e.g. after its rollout finished)
         self.divert = divert
+        # told of each call once its record is on disk (the online mode's live calls)
+        self.after_add = after_add
 
     def _file_lock(self, path: Path) -> threading.Lock:
         return self._file_locks[hash(str(path)) % self._FILE_LOCKS]
@@ -156,6 +161,8 @@ class CallStore:
         line = call.json_line()
         with self._file_lock(path):
             append_jsonl(path, line)
+        if self.after_add is not None:
+            self.after_add(store, call)
 
     def take(self, store: ModelStore, rollout_id: str) -> list[LLMCall]:
         """The calls of a rollout, all that its file holds (a torn line is skipped, logged)."""
@@ -194,7 +201,8 @@ class CallRecording:
         call = build_call(endpoint=self.endpoint, caller_body=body, response=response,
                           rollout_id=self.who.rollout_id, model=body.get("model", ""),
                           adapter_step=self.step, latency_s=time.perf_counter() - self.started,
-                          streamed=streamed, error=error)
+                          streamed=streamed, error=error,
+                          adapter_digest=self.route.adapter_digest)
         del response  # not kept alive over the write (the gateway's comment says why)
         if self.who.tags:
             call.metadata["tags"] = self.who.tags

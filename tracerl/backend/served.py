@@ -2,7 +2,10 @@
 
 A :class:`ServedModel` is one trainable model's route (its engine, store, the adapter steps it
 serves, the lock that holds new calls while its adapter is swapped); the :class:`ModelTable` is
-the gateway's set of them, by ``project/name``, and resolves what a caller asked for.
+the gateway's set of them, by ``project/name``, and resolves what a caller asked for. Under
+release control (:mod:`.release`) the plain name goes to the incumbent version, or to the
+candidate for the canary's share of rollouts (a sticky hash of the rollout id), and a newly
+trained version is only loaded (``NAME@N``) until it is promoted.
 """
 
 from __future__ import annotations
@@ -11,12 +14,15 @@ from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..core.engine import Engine, EngineRequestError
 from ..core.storage import ModelStore
 from ..core.watchdog import watch
 from .swap_lock import SwapLock
+
+if TYPE_CHECKING:
+    from .release import ReleaseRouting
 
 MAX_PINNED_ROLLOUTS = 65536  # rollouts whose policy version is remembered (oldest forgotten)
 
@@ -35,6 +41,8 @@ class ServedModel:
     resident: int = 1  # policy versions kept loaded (EngineConfig.resident_adapters)
     versions: dict[int, Path] = field(default_factory=dict)  # resident step -> adapter path
     pins: OrderedDict[str, int] = field(default_factory=OrderedDict)  # rollout -> its version
+    release: ReleaseRouting | None = None  # set: release control routes the plain name
+    live: bool = False  # online mode: each plain call gets a live rollout id (live_calls.py)
 
     timeout_s: float = field(init=False)  # a call's deadline (EngineConfig.request_timeout_s)
 
@@ -58,6 +66,9 @@ class ServedModel:
         ``name@step``; the oldest beyond ``resident`` is unloaded once no call uses it."""
         with watch("swap", f"the adapter swap of {self.name} to step {step}",
                    self.swap.describe):
+            if self.release is not None:  # loaded as NAME@step; routed once promoted
+                await self.load_version(step, path)
+                return
             if self.resident <= 1:
                 async with self.swap.swapping(self.timeout_s + 30.0):
                     await self.engine.load_adapter(self.adapter_name, path)
@@ -73,6 +84,21 @@ class ServedModel:
                         del self.versions[old]
                         await self.engine.unload_adapter(self.lora_name(old))
 
+    async def load_version(self, step: int, path: Path) -> None:
+        """Release control: load ``step`` as ``NAME@step`` (kept: the incumbent, the candidate,
+        the newest; older versions are unloaded once no call uses them)."""
+        if step > 0 and self.versions.get(step) != Path(path):
+            await self.engine.load_adapter(self.lora_name(step), path)
+            self.versions[step] = Path(path)
+        self.step = max(self.step, step)
+        keep = {self.step, *(self.release.steps() if self.release is not None else ())}
+        retired = [s for s in self.versions if s not in keep]
+        if retired:
+            async with self.swap.swapping(self.timeout_s + 30.0):
+                for old in retired:
+                    del self.versions[old]
+                    await self.engine.unload_adapter(self.lora_name(old))
+
     async def admit(self, engine_model: str, step: int | None, requested: str,
                     rollout_id: str | None) -> tuple[str, int | None]:
         """Count a call in, waiting (within the call's deadline) for a swap in progress; the
@@ -80,14 +106,19 @@ class ServedModel:
         the swap retired that version. The caller releases with ``self.swap.release_read()``;
         :class:`~tracerl.core.engine.EngineTimeoutError` if the swap outlasts the deadline."""
         await self.swap.acquire_read(self.timeout_s)
-        if step is None or self.resident <= 1 or self._resident(step) or "@" in requested:
+        if step is None or (self.resident <= 1 and self.release is None) or \
+                self._resident(step) or "@" in requested:
             return engine_model, step  # (an explicit NAME@STEP that was retired gets a 404)
         return self.resolve(requested, rollout_id)
 
     def lora_name(self, step: int) -> str:
-        return self.adapter_name if self.resident <= 1 else f"{self.adapter_name}@{step}"
+        if self.resident <= 1 and self.release is None:
+            return self.adapter_name
+        return f"{self.adapter_name}@{step}"
 
     def _resident(self, step: int) -> bool:
+        if self.release is not None:
+            return step == 0 or step in self.versions
         if step == 0:
             return self.step < self.resident  # the base model counts as version 0
         return step == self.step if self.resident <= 1 else step in self.versions
@@ -99,13 +130,16 @@ class ServedModel:
         if requested == self.engine.spec.served_name and requested != self.name:
             return requested, None
         step = self.step
-        if "@" in requested:
+        if self.release is not None and "@" not in requested:
+            step = self.release.pick(rollout_id)
+        elif "@" in requested:
             _, _, raw = requested.partition("@")
             if not raw.isdigit():
                 raise EngineRequestError(f"bad step in model name {requested!r}", status=404,
                                          param="model", code="model_not_found")
             if int(raw) != 0 and not self._resident(int(raw)):  # the base is always served
-                served = sorted(self.versions) if self.resident > 1 else [self.step]
+                served = sorted(self.versions) if self.resident > 1 or self.release else \
+                    [self.step]
                 raise EngineRequestError(
                     f"The model `{requested}` is not served: step {raw} is not the current step "
                     f"({self.step}) nor resident (steps served: {served}); use `{self.key}` or "

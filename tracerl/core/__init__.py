@@ -16,6 +16,9 @@ Data model:
 - ``trajectory.py``: token-exact call records, trajectories, groups, their JSONL form.
 - ``metrics.py``: aggregate metrics of groups.
 - ``storage.py``: a model's folder, atomic writes, append-only JSONL.
+- ``fingerprint.py``: served-policy fingerprints: an adapter's digest, the one that served a
+  call, checked against the version the call claims.
+- ``release_log.py``: a model's release log (append-only, crash-consistent): its incumbent.
 - ``net.py``: loopback addresses, free ports, child process groups.
 - ``loops.py``: values kept per event loop (HTTP clients cannot outlive their loop).
 - ``watchdog.py``: a wait longer than its threshold logs what it is waiting on.

@@ -226,3 +226,28 @@ class DistributedTrainerConfig(_Strict):
     start_timeout_s: float = Field(600.0, gt=0, description="deadline for the ranks to start")
     step_timeout_s: float = Field(3600.0, gt=0,
                                   description="deadline for one command (update, save) of a step")
+
+
+class OnlineConfig(_Strict):
+    """How online mode (``tracerl serve --online``, :mod:`tracerl.backend.online`) forms batches
+    of live calls and releases what it trains."""
+
+    group_size: int = Field(4, ge=2, description="rewarded live calls of one task key per group")
+    groups_per_step: int = Field(2, ge=1, description="groups per training step")
+    canary_share: float = Field(0.5, gt=0, le=1, description="share of new calls the "
+                                "candidate serves during its canary")
+    evaluate_every: int = Field(4, ge=1, description="new canary rewards between two gate "
+                                "evaluations")
+    train: TrainConfig = Field(default_factory=lambda: TrainConfig(learning_rate=1e-4),
+                               description="each online step's TrainConfig (learning rate ...)")
+    gates: dict[str, float | list[float]] = Field(default_factory=dict, description="Gates fields "
+                                  "(release_gates.py): min_samples, margin, z, ...")
+    poll_s: float = Field(1.0, gt=0, description="seconds between two ticks")
+    reward_ttl_s: float | None = Field(None, gt=0, description="seconds a live call "
+                                       "may wait; default: TRACERL_ONLINE_REWARD_TTL_S")
+    max_pending: int | None = Field(None, ge=1, description="live calls kept "
+                                    "waiting; default: TRACERL_ONLINE_MAX_PENDING")
+    rollout_api: bool = Field(True, description="also train on finished rollout-API groups")
+    on_hold: Literal["reject", "wait"] = Field(
+        "reject", description="a candidate the gates hold (latency, length, repeats, broken "
+        "tool calls drifted): 'reject' it and train on, or 'wait' for tracerl promote/rollback")

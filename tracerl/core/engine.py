@@ -25,10 +25,13 @@ __all__ = ["CallRoute", "Engine", "EngineError", "EngineRequestError", "EngineSp
 @dataclass
 class CallRoute:
     """Where one gateway call went: the gateway sets ``rollout_id`` (routing engines keep a
-    rollout on one server), a routing engine fills in ``replica``, the gateway records it."""
+    rollout on one server), a routing engine fills in ``replica``, the engine that served the
+    call ``adapter_digest`` (the weights that answered it, :mod:`tracerl.core.fingerprint`);
+    the gateway records them."""
 
     rollout_id: str | None = None
     replica: str | None = None
+    adapter_digest: str | None = None
 
 
 current_route: ContextVar[CallRoute | None] = ContextVar("tracerl_call_route", default=None)

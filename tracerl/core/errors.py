@@ -15,6 +15,8 @@
     ├── RolloutTimeoutError (TimeoutError)    rollout_timeout        504
     ├── RolloutNotFoundError (LookupError)    rollout_not_found      404
     ├── RolloutFinishedError (RuntimeError)   rollout_finished       409
+    ├── ResponseNotFoundError (LookupError)   response_not_found     404
+    ├── FeedbackClosedError (RuntimeError)    feedback_closed        409
     ├── TooManyExceptionsError (RuntimeError) too_many_exceptions    500
     ├── EngineError (RuntimeError)            engine_error           503
     │   ├── EngineUnavailableError            engine_unavailable     503
@@ -111,6 +113,14 @@ class RolloutNotFoundError(TracerlError, LookupError, code="rollout_not_found", 
 
 class RolloutFinishedError(TracerlError, RuntimeError, code="rollout_finished", status=409):
     """A rollout opened through the rollout API was already finished (its reward is final)."""
+
+
+class ResponseNotFoundError(TracerlError, LookupError, code="response_not_found", status=404):
+    """No live call of a model in online mode was answered with this response id."""
+
+
+class FeedbackClosedError(TracerlError, RuntimeError, code="feedback_closed", status=409):
+    """A live call's feedback can no longer be taken: it has its reward already, or expired."""
 
 
 class TooManyExceptionsError(TracerlError, RuntimeError, code="too_many_exceptions"):

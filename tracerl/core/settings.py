@@ -191,6 +191,13 @@ TRACERL_MAX_UNKEYED = _declare(
 TRACERL_DISABLE_UNSLOTH = _on_off(
     False, TRAINING, "1: train with plain peft even where Unsloth is importable on CUDA (set "
     "for the distributed trainer's ranks)")
+TRACERL_ONLINE_REWARD_TTL_S = _seconds(
+    86400.0, TRAINING, "online mode: seconds a live call waits to be trained on (its feedback, "
+    "then enough comparable calls for a group) before it expires, counted and never trained; "
+    "feedback for it after that answers 409")
+TRACERL_ONLINE_MAX_PENDING = _declare(
+    "int", int, 100000, TRAINING, "online mode: live calls kept waiting at most; beyond it the "
+    "oldest expire (counted, like those past TRACERL_ONLINE_REWARD_TTL_S)")
 
 # --- plugins and loggers ---------------------------------------------------------------------
 TRACERL_LOGGERS = _list(

@@ -112,6 +112,8 @@ class LLMCall(_Validated):
     endpoint: Literal["chat.completions", "completions"] = "chat.completions"
     model: str = ""
     adapter_step: int | None = None
+    # the digest of the weights the engine served it with ("base", "sha256:...", None: unknown)
+    adapter_digest: str | None = None
     request: dict[str, Any] = Field(default_factory=dict)
     response: dict[str, Any] | None = None
     prompt_token_ids: list[int] = Field(default_factory=list)

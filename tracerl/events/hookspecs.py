@@ -271,6 +271,29 @@ def tracerl_after_train_step(model: ModelSpec, step: int, metrics: dict[str, flo
     """
 
 
+@hookspec
+def tracerl_online_batch(model: ModelSpec, step: int, groups: list[TrajectoryGroup]) -> None:
+    """Online mode formed a training batch from live calls and their late rewards.
+
+    Arguments:
+        model (ModelSpec): the model in online mode.
+        step (int): the step the batch will train (its candidate version).
+        groups (list[TrajectoryGroup]): the batch: groups of comparable calls (one task key
+            each), every trajectory one live call (``metadata["response_id"]``) or rollout-API
+            rollout, with its reward. A plugin may change rewards in place (an audit, a
+            relabelling; the tests inject a bad candidate this way, by inverting them).
+
+    Called: once per online batch, before its step starts, in a worker thread, in the process
+    that runs the online loop (``tracerl serve --online``: the server).
+
+    Example::
+
+        @tracerl.hookimpl
+        def tracerl_online_batch(model, step, groups):
+            print(f"{model.name}: step {step} from {sum(len(g) for g in groups)} live calls")
+    """
+
+
 # --- logging ----------------------------------------------------------------------------------
 
 @hookspec

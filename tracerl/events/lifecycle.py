@@ -68,6 +68,12 @@ async def step_logged(model: ModelSpec, step: int, split: str, metrics: dict[str
                                 split=split, groups=groups)
 
 
+async def online_batch(model: ModelSpec, step: int, groups: list[TrajectoryGroup]) -> None:
+    """Fire ``tracerl_online_batch`` (in a worker thread), before the batch trains."""
+    await asyncio.to_thread(get_plugin_manager().hook.tracerl_online_batch, model=model,
+                            step=step, groups=groups)
+
+
 async def score_group(group: TrajectoryGroup, judge: str | None = None
                       ) -> TrajectoryGroup | None:
     """Score ``group`` with the first judge plugin that accepts it (``judge`` names one)."""

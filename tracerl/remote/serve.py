@@ -14,6 +14,7 @@ from typing import Any
 from ..backend.local import LocalBackend
 from ..core.errors import ConfigError
 from ..core.net import is_loopback
+from ..core.storage import validate_name
 from ..events.plugins import register as register_plugin
 from .server import ControlServer
 
@@ -50,19 +51,30 @@ def serve(*, host: str, port: int, path: str, api_key: str | None, engine: str |
           plugins: Sequence[str] = (), base_models: dict[str, str] | None = None,
           max_upload_bytes: int = 256 * 1024 * 1024, max_queued: int = 4,
           heartbeat_s: float = 5.0, allow_engine_args: bool = False,
-          placement: dict[str, Any] | None = None) -> int:
+          placement: dict[str, Any] | None = None, online: Sequence[str] = (),
+          online_config: str | None = None) -> int:
     """Serve until SIGTERM or Ctrl-C. Models registered earlier in ``path`` are served again.
 
     ``placement``: where inference runs for every model (the operator's choice, never a
     client's): ``replicas``, ``replicas_per_gpu``, ``gpus_per_replica``, ``replica_urls``,
     ``replica_failure``, ``publish_dir``, ``publish_mount`` of
-    :class:`~tracerl.core.config.EngineConfig`."""
+    :class:`~tracerl.core.config.EngineConfig`.
+
+    ``online``: the ``project/name`` of models to run in online mode
+    (:mod:`tracerl.backend.online`), each with ``online_config`` (a JSON object)."""
     if not is_loopback(host) and not api_key:
         raise ConfigError(f"serving on {host} needs an API key (set TRACERL_API_KEY); "
                           "without one, only loopback (127.0.0.1) is allowed")
     if not is_loopback(host):
         log.warning("listening on %s over plain HTTP; put a TLS-terminating proxy in front of it "
                     "so the API key and trajectories are encrypted", host)
+    from ..backend.online import online_config as parse_online_config
+
+    config = parse_online_config(online_config)  # a bad one: refused before anything starts
+    for key in online:
+        project, _, name = key.partition("/")
+        validate_name("project", project)
+        validate_name("model", name)
     for module in plugins:
         register_plugin(importlib.import_module(module), name=module)
     backend = LocalBackend(path=path, host=host, port=port, api_key=api_key, engine=engine,
@@ -76,6 +88,10 @@ def serve(*, host: str, port: int, path: str, api_key: str | None, engine: str |
     restored = backend.run_sync(control.restore(Path(path)))
     log.info("ready; models restored: %s", ", ".join(restored) or "none")
 
+    online_stop = backend.run_sync(_make_event())
+    runs = [asyncio.run_coroutine_threadsafe(control.run_online(key, config, online_stop),
+                                             backend.gateway_loop) for key in online]
+
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -84,6 +100,17 @@ def serve(*, host: str, port: int, path: str, api_key: str | None, engine: str |
             log.error("the server thread died")
             return 1
     log.info("stopping")
+    backend.gateway_loop.call_soon_threadsafe(online_stop.set)
+    for run in runs:
+        try:
+            run.result(timeout=60)
+        except Exception:
+            log.exception("the online loop did not stop cleanly")
     backend.run_sync(control.queue.close(), timeout=30)
     asyncio.run(backend.close())
     return 0
+
+
+async def _make_event() -> asyncio.Event:
+    """An event of the gateway's loop (made on it)."""
+    return asyncio.Event()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,7 @@ from .wire import API_PREFIX, NDJSON, decode_groups
 
 if TYPE_CHECKING:
     from ..backend.local import LocalBackend
+    from ..backend.online import OnlineConfig, OnlineLoop
 
 SMALL_BODY_BYTES = 1024 * 1024
 MAX_STEP = 2**63 - 1  # a step is a file's name and an int64 elsewhere (TensorBoard, W&B)
@@ -61,6 +63,7 @@ class ControlServer:
         self.queue = TrainQueue(backend, max_queued=max_queued, heartbeat_s=heartbeat_s)
         self._register_locks: dict[str, asyncio.Lock] = {}
         self.ready = False
+        self.online: dict[str, OnlineLoop] = {}
 
     # --- models ----------------------------------------------------------------------------
 
@@ -128,6 +131,20 @@ class ControlServer:
             restored.append(spec.key)
         self.ready = True
         return restored
+
+    async def run_online(self, key: str, config: OnlineConfig, stop: asyncio.Event) -> None:
+        """Online mode for model ``key`` (``project/name``), from when it is registered until
+        ``stop`` is set (on the gateway's loop)."""
+        from ..backend.online import OnlineLoop
+
+        while key not in self.models:
+            try:
+                await asyncio.wait_for(stop.wait(), 0.5)
+                return
+            except TimeoutError:
+                continue
+        loop = self.online[key] = OnlineLoop(self.backend, self.models[key], config)
+        await loop.run(stop)
 
     # --- routes ----------------------------------------------------------------------------
 
@@ -236,6 +253,43 @@ class ControlServer:
             if not isinstance(keep, list) or not all(isinstance(s, int) and s >= 0 for s in keep):
                 raise ConfigError("keep_steps must be a list of step numbers")
             return {"deleted": await self.backend.delete_checkpoints(model, set(keep))}
+
+        @router.get("/models/{project}/{name}/release")
+        async def release_state(project: str, name: str) -> dict[str, Any]:
+            from ..core.release_log import ReleaseLog
+
+            store = self.backend.store(self.model(project, name))
+            return asdict(await asyncio.to_thread(ReleaseLog(store.root).state))
+
+        @router.get("/models/{project}/{name}/online")
+        async def online_status(project: str, name: str) -> dict[str, Any]:
+            """Online mode's counts (live calls waiting, trained, expired by reason), release
+            stage and last gate verdict."""
+            model = self.model(project, name)
+            loop = self.online.get(model.key)
+            if loop is None:
+                raise NotRegisteredError(f"model {model.key} is not in online mode on this "
+                                         "server (tracerl serve --online PROJECT/NAME)")
+            return await asyncio.to_thread(loop.status)
+
+        @router.post("/models/{project}/{name}/release/{action}")
+        async def release_move(project: str, name: str, action: str,
+                               request: Request) -> dict[str, Any]:
+            """Promote (``{"step": N}``) or roll back (``{"to": N}``) the model's incumbent:
+            effective for the next call on every replica; calls in flight finish."""
+            from ..backend.release import move_incumbent
+
+            model, body = self.model(project, name), await self._json(request)
+            key = {"promote": "step", "rollback": "to"}.get(action)
+            if key is None:
+                raise ConfigError(f"no release action {action!r}: promote or rollback")
+            step = body.get(key)
+            if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+                raise ConfigError(f"{key} must be a step number (an integer >= 0), not {step!r}")
+            route = self.backend.gateway.models[model.key]
+            state = await self.backend.call_on_gateway(
+                move_incumbent(route, action, step, reason=body.get("reason") or "by hand"))
+            return {"incumbent": state.incumbent}
 
         app.include_router(router)
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ...core.engine import Engine, EngineRequestError, EngineSpec, EngineUnavailableError
+from ...core.fingerprint import BASE, digest_if_readable, note_served
 from ...core.trajectory import is_greedy
 from ...events.hookspecs import hookimpl
 from ..chat_template import apply_chat_template_override, render_prompt
@@ -40,6 +41,7 @@ class _Job:
     adapter: str | None
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
+    digest: str | None = None  # of the weights that generated it (set under the model lock)
 
     @property
     def key(self) -> tuple:
@@ -65,6 +67,7 @@ class TransformersEngine(Engine):
         self.tokenizer: Any = None
         self._adapters: dict[str, Path] = {}
         self._peft_names: dict[str, str] = {}
+        self._digests: dict[str, str] = {}  # peft name -> digest of the weights loaded under it
         self._queue: asyncio.Queue[_Job] | None = None
         self._batcher: asyncio.Task | None = None
         self._lock = threading.Lock()
@@ -121,8 +124,10 @@ class TransformersEngine(Engine):
         from peft import PeftModel
 
         lora_name = self._peft_name(lora_name)
+        digest = digest_if_readable(path)  # taken once, before the load
 
         with self._lock:
+            self._digests.pop(lora_name, None)  # set again only once the load succeeded
             if not hasattr(self.model, "peft_config"):
                 self.model = PeftModel.from_pretrained(self.model, path, adapter_name=lora_name)
             else:
@@ -130,6 +135,8 @@ class TransformersEngine(Engine):
                     self.model.delete_adapter(lora_name)
                 self.model.load_adapter(path, adapter_name=lora_name)
             self.model.eval()
+            if digest is not None:
+                self._digests[lora_name] = digest
 
     # --- request handling ----------------------------------------------------------------
 
@@ -177,7 +184,9 @@ class TransformersEngine(Engine):
         job = _Job(prompt_ids, n, max_tokens, temperature, top_p, self._adapter_for(body["model"]),
                    loop.create_future(), loop)
         await self._queue.put(job)
-        return await job.future
+        results = await job.future
+        note_served(job.digest)
+        return results
 
     async def _batch_loop(self) -> None:
         assert self._queue is not None
@@ -232,6 +241,8 @@ class TransformersEngine(Engine):
         with self._lock, torch.inference_mode():
             model = self.model
             ctx: Any = _null()
+            for job in batch:  # the digest of what serves each call, read under the lock
+                job.digest = BASE if job.adapter is None else self._digests.get(job.adapter)
             if len(set(adapters)) > 1:  # several models' adapters: peft routes each row
                 gen_kwargs["adapter_names"] = [a or "__base__" for a in adapters]
             elif first.adapter is not None:

@@ -27,6 +27,7 @@ import aiohttp
 from ...core import settings
 from ...core.engine import Engine, EngineRequestError, EngineSpec, EngineUnavailableError
 from ...core.errors import EngineError
+from ...core.fingerprint import BASE, digest_if_readable, note_served
 from ...core.net import free_port, start_child, stop_process_group
 from ...events.hookspecs import hookimpl
 from ..chat_template import chat_template_path
@@ -155,6 +156,8 @@ class VLLMEngine(Engine):
         self.port: int | None = None
         self.client: aiohttp.ClientSession | None = None
         self._adapters: dict[str, Path] = {}
+        # lora name -> digest of the files handed to /v1/load_lora_adapter, once it said 200
+        self._digests: dict[str, str] = {}
         self._ready = False  # healthy and every adapter re-loaded
         self._log = tempfile.NamedTemporaryFile(prefix="tracerl-vllm-", suffix=".log", delete=False)
         sleep = spec.config.sleep_during_training
@@ -304,17 +307,23 @@ class VLLMEngine(Engine):
             return False
 
     async def load_adapter(self, lora_name: str, path: Path) -> None:
+        # once, before the load (None: the server reads a mount this process cannot)
+        digest = await asyncio.to_thread(digest_if_readable, Path(path))
         body = {"lora_name": lora_name, "lora_path": str(path), "load_inplace": True}
+        self._digests.pop(lora_name, None)  # unknown while vLLM loads it in place
         r = await self._post("/v1/load_lora_adapter", body)
         if r.status_code != 200:
             raise EngineError(f"vLLM refused adapter {lora_name!r} from {path}: {r.text}")
         self._adapters[lora_name] = Path(path)
+        if digest is not None:
+            self._digests[lora_name] = digest
 
     async def unload_adapter(self, lora_name: str) -> None:
         r = await self._post("/v1/unload_lora_adapter", {"lora_name": lora_name})
         if r.status_code != 200:
             raise EngineError(f"vLLM refused to unload adapter {lora_name!r}: {r.text}")
         self._adapters.pop(lora_name, None)
+        self._digests.pop(lora_name, None)
 
     async def sleep(self) -> None:
         if self.sleeps:
@@ -355,27 +364,44 @@ class VLLMEngine(Engine):
         if not self._ready:
             raise EngineUnavailableError("the vLLM server is starting")
 
+    def served_digest(self, model: str) -> str | None:
+        """The digest of what serves ``model`` now: the base model's, or the adapter's loaded
+        under that name (None while unknown: not loaded, or being loaded)."""
+        return BASE if model == self.spec.served_name else self._digests.get(model)
+
+    def _note(self, model: str, before: str | None) -> None:
+        """Note the served digest on the call's route: the one at send time, if the adapter of
+        that name was not reloaded while the call ran (then nobody can tell: None)."""
+        after = self.served_digest(model)
+        note_served(before if before == after else None)
+
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         self._check_ready()
+        before = self.served_digest(body.get("model", ""))
         r = await self._post("/v1/chat/completions", body)
         self._raise_for(r)
+        self._note(body.get("model", ""), before)
         return r.json()
 
     async def completions(self, body: dict[str, Any]) -> dict[str, Any]:
         self._check_ready()
+        before = self.served_digest(body.get("model", ""))
         r = await self._post("/v1/completions", body)
         self._raise_for(r)
+        self._note(body.get("model", ""), before)
         return r.json()
 
     async def chat_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         self._check_ready()
         if self.client is None:
             raise EngineUnavailableError("the vLLM server is not running")
+        before = self.served_digest(body.get("model", ""))
         with transport_errors():
             async with self.client.post("/v1/chat/completions", json=body) as r:
                 if r.status >= 400:
                     self._raise_for(EngineReply(r.status, await r.read()))
                 async for chunk in sse_events(r.content):
+                    self._note(body.get("model", ""), before)  # before the caller sees it end
                     yield chunk
 
 

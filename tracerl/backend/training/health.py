@@ -12,7 +12,11 @@ Every step logs these beside loss and reward (``history.jsonl``):
 - ``template_mismatch_fraction``: recorded prompts the trainer's chat template renders
   differently from the engine's tokens;
 - ``engine_kl``: KL(engine || trainer) over the sampled tokens (k3 estimate, from the trainer);
-- ``length_clipped_fraction``: completions cut at ``max_tokens``.
+- ``length_clipped_fraction``: completions cut at ``max_tokens``;
+- ``fingerprint_mismatches``: calls the engine served with other weights than the policy
+  version they claim (``LLMCall.adapter_digest`` vs the checkpoint's digest,
+  :mod:`tracerl.core.fingerprint`); refused, not trained on. ``fingerprint_unverified``: calls
+  whose engine could not tell, or whose checkpoint is gone.
 
 :func:`step_warnings` turns them into warnings that name the likely cause and the fix;
 ``tracerl doctor`` and ``tracerl report`` read the same metrics back from a run's history.
@@ -143,7 +147,8 @@ def orphan_calls(store: ModelStore, groups: Iterable[TrajectoryGroup]) -> dict[s
     claimed = {rid for r in read_jsonl(calls_dir / CLAIMED) for rid in r.get("rollout_ids", [])}
     state = json.loads(state_path.read_text()) if state_path.exists() else {}
     counted, seen = set(state.get("counted", [])), set(state.get("seen", []))
-    recorded = {p.stem for p in calls_dir.glob("*.jsonl") if not p.name.startswith("_")}
+    recorded = {p.stem for p in calls_dir.glob("*.jsonl")  # live calls: online mode counts them
+                if not p.name.startswith(("_", "live-"))}
     unclaimed = recorded - claimed - counted - pending_rollout_ids(store)
     orphans = unclaimed & seen
     n_calls = sum(_lines(store.calls_path(rid)) for rid in orphans)
@@ -179,6 +184,7 @@ THRESHOLDS: dict[str, float] = {
     "template_mismatch_fraction": 0.01,
     "engine_kl": 0.05,                # nats per sampled token
     "length_clipped_fraction": 0.3,   # of completions
+    "fingerprint_mismatches": 1,      # calls served by other weights than they claim
 }
 
 
@@ -244,6 +250,14 @@ def step_warnings(m: dict[str, Any], thresholds: dict[str, float] | None = None
         value = float(m.get(item, 0) or 0)
         if value >= t[item]:
             out.append(HealthWarning(item, message.format(pct=_pct(value)), fix))
+    wrong = float(m.get("fingerprint_mismatches", 0) or 0)
+    if wrong >= t["fingerprint_mismatches"]:
+        out.append(HealthWarning(
+            "fingerprint_mismatches",
+            f"{wrong:.0f} calls were served by other weights than the policy version they claim "
+            "(the engine's adapter digest differs from the checkpoint's); refused, not trained on",
+            "something loaded another adapter into the engine, or a sync failed: check what "
+            "loads adapters besides tracerl, then `tracerl doctor --run MODEL_DIR`"))
     kl = float(m.get("engine_kl", 0) or 0)
     if kl >= t["engine_kl"]:
         out.append(HealthWarning(

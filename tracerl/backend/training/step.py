@@ -14,12 +14,13 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ...core.backend import TrainEvent
 from ...core.config import TrainConfig
+from ...core.fingerprint import check_calls
 from ...core.metrics import summarize_groups
 from ...core.storage import (
     STEP_METRICS,
@@ -64,11 +65,21 @@ async def train_step(step: int, groups: list[TrajectoryGroup], config: TrainConf
     groups = own_calls(store, groups)
     save_step_groups(store, step, groups)
 
+    # the served-policy fingerprint: calls served by other weights than the version they claim
+    # are refused (no rows), counted, and warned about by step health
+    fingerprints = await asyncio.to_thread(
+        check_calls, store.checkpoints_dir,
+        (c for g in groups for t in g.trajectories for c in t.llm_calls))
+    for example in fingerprints.examples:
+        log.warning("step %d: refused: %s", step, example)
+
     def update(policy: Trainer) -> dict[str, float]:
         return grpo_update(policy, groups, config,
-                           on_trained=lambda rows: health.write_token_logprobs(store, step, rows))
+                           on_trained=lambda rows: health.write_token_logprobs(store, step, rows),
+                           refused=fingerprints.refused)
 
-    summary = {**summarize_groups(groups), **health.stray_calls(store, groups)}
+    summary = {**summarize_groups(groups), **health.stray_calls(store, groups),
+               **fingerprints.as_metrics()}
     async for event in run_update(step, update, summary=summary, store=store,
                                   load_policy=load_policy, serving=serving,
                                   heartbeat_s=heartbeat_s):
@@ -171,11 +182,13 @@ async def finish_step(step: int, policy: Trainer, metrics: dict[str, float], *,
 
 
 def grpo_update(policy: Trainer, groups: list[TrajectoryGroup], config: TrainConfig,
-                on_trained: Callable[[list[Row]], None] | None = None) -> dict[str, float]:
+                on_trained: Callable[[list[Row]], None] | None = None,
+                refused: Collection[str] = ()) -> dict[str, float]:
     """Rows with group-relative advantages, then the clipped policy loss over micro-batches
     and one optimizer step per epoch. Returns the step's metrics; ``on_trained`` gets the
-    trained rows (with their engine and trainer logprobs)."""
-    rows, metrics = step_rows(policy, groups, config)
+    trained rows (with their engine and trainer logprobs); ``refused``: ids of calls not to
+    train on (served by other weights than they claim)."""
+    rows, metrics = step_rows(policy, groups, config, refused)
     if not rows:
         log.warning("step skipped: no trainable rows")
         return {**metrics, "skipped": 1.0, "loss": 0.0}
@@ -185,10 +198,10 @@ def grpo_update(policy: Trainer, groups: list[TrajectoryGroup], config: TrainCon
     return metrics
 
 
-def step_rows(policy: Trainer, groups: list[TrajectoryGroup], config: TrainConfig
-              ) -> tuple[list[Row], dict[str, float]]:
+def step_rows(policy: Trainer, groups: list[TrajectoryGroup], config: TrainConfig,
+              refused: Collection[str] = ()) -> tuple[list[Row], dict[str, float]]:
     """The step's rows (:func:`rows_with_advantages`) and the metrics of how they were built."""
-    rows, stats, skipped_groups = rows_with_advantages(policy, groups, config)
+    rows, stats, skipped_groups = rows_with_advantages(policy, groups, config, refused)
     metrics = {**stats.as_metrics(), "groups": float(len(groups)),
                "skipped_groups": float(skipped_groups), **health.completion_clipping(groups),
                **health.template_mismatches(groups, policy.render)}
@@ -196,11 +209,12 @@ def step_rows(policy: Trainer, groups: list[TrajectoryGroup], config: TrainConfi
     return rows, metrics
 
 
-def rows_with_advantages(policy: Trainer, groups: list[TrajectoryGroup], config: TrainConfig
-                         ) -> tuple[list[Row], RowStats, int]:
+def rows_with_advantages(policy: Trainer, groups: list[TrajectoryGroup], config: TrainConfig,
+                         refused: Collection[str] = ()) -> tuple[list[Row], RowStats, int]:
     """Token-exact rows of every trajectory (rendered only where there are no token records),
     each carrying its trajectory's advantage within its group. Groups whose rewards are all
-    equal carry no signal and are skipped (counted)."""
+    equal carry no signal and are skipped (counted). Calls in ``refused`` give no rows (nor
+    does re-rendering their text: it was sampled by other weights)."""
     stats, rows, skipped_groups = RowStats(), [], 0
     for gi, group in enumerate(groups):
         if len(group.trajectories) < 2:
@@ -212,8 +226,10 @@ def rows_with_advantages(policy: Trainer, groups: list[TrajectoryGroup], config:
             continue
         for ti, (trajectory, advantage) in enumerate(
                 zip(group.trajectories, adv.advantages, strict=True)):
-            traj_rows = rows_from_calls(trajectory.llm_calls, stats) if trajectory.llm_calls else []
-            if not traj_rows:  # no token records: render the main and additional histories
+            calls = [c for c in trajectory.llm_calls if c.id not in refused]
+            traj_rows = rows_from_calls(calls, stats) if calls else []
+            if not traj_rows and len(calls) == len(trajectory.llm_calls):
+                # no token records: render the main and additional histories
                 traj_rows = [row for conversation in (trajectory, *trajectory.additional_histories)
                              for row in rows_from_messages(conversation, policy.render,
                                                            policy.tokenize, policy.eos_token_id)]

@@ -1,0 +1,78 @@
+"""Online mode end to end: a real ``tracerl serve --online`` and a production client in its own
+process (tests/online_client.py) sending plain calls and, rounds later, their rewards through
+the feedback route. The first candidate is trained on an inverted reward (a server plugin
+rewards leaving the number out: it really learns the wrong thing) and is rolled back by the
+gates, never promoted; the second, trained on the true rewards from the incumbent, is
+promoted. No call fails meanwhile."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import tracerl
+from tracerl.core.release_log import ReleaseLog
+from tracerl.core.storage import ModelStore, read_jsonl
+
+from .remote_server import API_KEY, ROOT, ServerProcess, registered_on
+
+CONFIG = tracerl.ModelConfig(engine=tracerl.EngineConfig(max_model_len=256))
+ONLINE = {"group_size": 4, "groups_per_step": 4, "canary_share": 0.5, "evaluate_every": 8,
+          "train": {"learning_rate": 5e-3}, "poll_s": 0.5,
+          # the task rewards brevity: a better answer is much shorter, so length is no drift
+          "gates": {"min_samples": 16, "margin": 0.15, "length_ratio": [0.1, 10.0]}}
+
+
+@pytest.mark.slow
+async def test_a_bad_candidate_is_rolled_back_and_a_good_one_promoted_under_live_traffic(
+        tmp_path):
+    server = ServerProcess(tmp_path, args=(
+        "--online", "tests/online", "--online-config", json.dumps(ONLINE),
+        "--plugin", "tests.online_bad_candidate_plugin"),
+        env={"TRACERL_TEST_INVERT_STEPS": "1"}).start()
+    try:
+        model = await registered_on(server.url, "online", "tests", CONFIG)
+        await model.backend.close()
+        client = subprocess.run(
+            [sys.executable, str(ROOT / "tests" / "online_client.py"), server.url,
+             "tests/online", "--key", API_KEY, "--until-steps", "2", "--deadline-s", "900"],
+            capture_output=True, text=True, timeout=1000, cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert client.returncode == 0, client.stderr[-3000:]
+        report = json.loads(client.stdout.strip().splitlines()[-1])
+    finally:
+        server.stop()
+    log_tail = server.log.read_text()[-3000:]
+    assert not report["timed_out"], (report, log_tail)
+    assert report["failed"] == [], report["failed"]  # no request failed, through both releases
+    # late feedback is taken, except for calls the rolled-back candidate served: those expired
+    # with it (409, naming the response id and why)
+    assert report["feedback"]["200"] > 0
+    assert report["feedback"].get("409", 0) == len(report["refused_feedback"])
+    for refused in report["refused_feedback"]:
+        assert refused.startswith("409") and "chatcmpl-" in refused, refused
+        assert "served by a candidate that was rolled back" in refused, refused
+
+    store = ModelStore(server.path / "data", "tests", "online")
+    records = ReleaseLog(store.root).records()
+    rejected = [r["step"] for r in records if r["event"] == "rejected"]
+    promoted = [r["step"] for r in records if r["event"] == "commit" and r["action"] == "promote"]
+    assert rejected == [1] and promoted == [2], (records, log_tail)
+    gate = [r for r in records if r["event"] == "gate" and r["step"] == 1][-1]
+    assert gate["verdict"] == "rollback" and "reward" in gate["tripped"][0], gate
+    assert gate["evidence"]["reward_diff"] < 0
+
+    # step 2 trained from the incumbent (the base model), never from the rolled-back step 1;
+    # the calls step 1 served were expired, not trained on
+    batches = [e for e in read_jsonl(store.root / "online" / "live.jsonl")
+               if e["event"] == "taken"]
+    assert [b["batch"] for b in batches][:2] == ["online-0001", "online-0002"]
+    served = {e["rollout_id"]: e["step"] for e in read_jsonl(store.root / "online" / "live.jsonl")
+              if e["event"] == "call"}
+    assert {served[rid] for g in batches[1]["groups"] for rid in g} <= {0}
+    assert report["status"]["expired_rejected_version"] > 0
+    assert report["status"]["incumbent"] == 2
