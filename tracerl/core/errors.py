@@ -112,6 +112,10 @@ class RolloutFinishedError(TracerlError, RuntimeError, code="rollout_finished", 
     """A rollout opened through the rollout API was already finished (its reward is final)."""
 
 
+class ExternalAgentError(TracerlError, RuntimeError, code="external_agent_failed", status=502):
+    """An agent run as a process of its own (a task's Node agent) failed or broke its protocol."""
+
+
 class TooManyExceptionsError(TracerlError, RuntimeError, code="too_many_exceptions"):
     """More rollouts failed than ``max_exceptions`` allows."""
 
