@@ -5,7 +5,11 @@ agent learning (``pip install 'tracerl[tasks]'``; nothing here is imported by th
   library's scorer) and :func:`split_of`.
 - ``runner.py``: :func:`evaluate` (held-out, logged as ``val``) and :func:`train_task`.
 - ``catalog.py``: the tasks by name (:func:`get_task`, :data:`TASK_NAMES`).
-- one module per task: ``tool_products.py`` (reasoning-gym, LangGraph), ...
+- ``compare.py``: ``tracerl eval`` (the held-out split at chosen steps, each step served).
+- one module per task: ``tool_products.py`` (reasoning-gym, LangGraph),
+  ``game_guess_number.py`` (textarena, OpenAI Agents SDK), ``node_chain_sum.py``
+  (reasoning-gym, a Node agent through the rollout API), ``art_tic_tac_toe.py`` (ART's
+  example, ART API).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ with its system prompt, its ``<move>A1</move>`` XML moves, its random opponent a
 
 Changed from the example, for a 135M model on CPU and a catalog task: the item's seed decides
 the agent's symbol and the opponent's moves (the example draws them from the global RNG);
-``max_completion_tokens`` is 16 (the example's 128 serves models that reason first); the
+``max_completion_tokens`` is 16 (the example's 128 serves models that reason first); one
+example exchange (an empty board answered ``<move>B2</move>``) follows the system prompt; the
 OpenPipe reporting is left out. Success is the example's own verdict, ``check_winner``: the
 agent won.
 """
@@ -93,6 +94,13 @@ def check_winner(board: list[list[str]]) -> Literal["x", "o", "draw", None]:
 
 # --- the example's rollout (examples/tic_tac_toe/rollout.py) ---------------------------------
 
+# one example exchange after the system prompt (not in ART's example): without it the 135M
+# model never writes the XML move, so every game scores -1 and a group has nothing to learn
+EXAMPLE: list[dict[str, Any]] = [
+    {"role": "user", "content": "   1   2   3\nA  _ | _ | _\nB  _ | _ | _\nC  _ | _ | _\n"},
+    {"role": "assistant", "content": "<move>B2</move>"}]
+
+
 
 @art.retry(exceptions=(openai.LengthFinishReasonError,))
 async def rollout_game(model: art.Model, seed: int, temperature: float = 1.0,
@@ -108,6 +116,7 @@ async def rollout_game(model: art.Model, seed: int, temperature: float = 1.0,
                        "<move>A1</move>. Optional moves are 'A1', 'B3', 'C2', etc. You are the "
                        f"{game['agent_symbol']} symbol."}],
         reward=0)
+    trajectory.messages_and_choices += EXAMPLE
     move_number = 0
     invalid = 0.0
     if game["agent_symbol"] == "o":
@@ -164,8 +173,7 @@ async def rollout(model: Any, item: Item, *, temperature: float = 1.0,
 
     async def play() -> art.Trajectory:
         trajectory = await rollout_game(model, item.data["seed"], temperature, step)
-        turns = sum(1 for m in trajectory.messages_and_choices
-                    if not isinstance(m, dict) or m.get("role") == "assistant")
+        turns = sum(1 for m in trajectory.messages_and_choices if not isinstance(m, dict))
         trajectory.metrics.update({"success": float(trajectory.metrics.get("win") == 1),
                                    "turns": float(turns)})
         trajectory.metadata["item"] = item.key

@@ -7,7 +7,8 @@ answering "higher" or "lower"; a guess is a number in square brackets (textarena
 guess is an invalid move: the first is warned about, the second ends the game. The agent is
 played the way textarena's own agents are (``action = agent(observation)``, the observation
 being the whole game so far, from its default ``LLMObservationWrapper``): one ``Runner.run``
-per turn. Success is the game's outcome (textarena's reward 1: the number was found); the
+per turn, its input two example turns (the game's opening, answered ``[10]``, then ``[15]``
+after "higher") and the observation. Success is the game's outcome (textarena's reward 1: the number was found); the
 reward is textarena's own reward (1 on a win, else how close the last guess came).
 
 Items are game seeds (``seed-N``); the split is by the hash of that key. The seed decides the
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import random
 import re
+import time
 from typing import Any
 
 from ..core.config import EngineConfig, LoraConfig, ModelConfig
@@ -29,6 +31,19 @@ GAME = "GuessTheNumber-v0"
 INSTRUCTIONS = ("You play a guessing game. Answer with one new guess in square brackets, "
                 "like [7], and nothing else.")
 GUESS = re.compile(r"\[(\d+)\]")
+OPENING = ("[GAME] You are Player 0. You are playing Guess The Number.\nYou have to guess the "
+           "number between 1 and 20 within 10 turns.\nAs you enter your guess, the game will "
+           "provide you with hints such as 'higher' or 'lower'.\nYou may provide your response "
+           "in any manner. Only the number that is wrapped in square brackets will be considered "
+           "as your guess. For example, [5].\nAs you play, the history of your guesses will be "
+           "appended below. Use the information to complete the game before you run out of "
+           "guesses.\nEnter your guess.")
+# two turns of an example game, before each observation: the 135M model otherwise continues
+# the game's transcript ("[GAME] You are Player 0...") instead of guessing
+EXAMPLES = [{"role": "user", "content": OPENING}, {"role": "assistant", "content": "[10]"},
+            {"role": "user", "content": f"{OPENING}\n[Player] [10]\n[GAME] The target "
+                                        "number is higher."},
+            {"role": "assistant", "content": "[15]"}]
 
 
 def draw(seed: int, n: int) -> list[Item]:
@@ -79,12 +94,14 @@ async def rollout(model: Any, item: Item, *, temperature: float = 1.0,
                            workflow_name="guess-the-number")
 
     async def play() -> Trajectory:
+        started = time.time()
         env = new_game(item.data["seed"])
         actions: list[str] = []
         done = False
         while not done:
             _, observation = env.get_observation()
-            result = await Runner.run(agent, observation.strip(), run_config=run_config,
+            turn = [*EXAMPLES, {"role": "user", "content": observation.strip()}]
+            result = await Runner.run(agent, turn, run_config=run_config,  # type: ignore[arg-type]
                                       max_turns=1)
             action = str(result.final_output or "").strip()
             actions.append(action)
@@ -93,7 +110,7 @@ async def rollout(model: Any, item: Item, *, temperature: float = 1.0,
         reward = float(rewards[0])
         info = game_info.get(0, {})
         metrics = {"success": float(reward == 1.0), **game_metrics(actions, info)}
-        return Trajectory(reward=reward, metrics=metrics,
+        return Trajectory(reward=reward, metrics=metrics, start_time=started,
                           metadata={"item": item.key, "reason": str(info.get("reason"))})
 
     return await run_as_rollout(play)
