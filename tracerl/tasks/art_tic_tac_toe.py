@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import random
 import xml.etree.ElementTree as ET
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, TypedDict, cast
 
 import openai
 
@@ -127,7 +127,7 @@ async def rollout_game(model: art.Model, seed: int, temperature: float = 1.0,
         trajectory.messages_and_choices.append({"role": "user", "content": render_board(game)})
         client = model.openai_client()
         chat_completion = await client.chat.completions.create(
-            model=model.get_inference_name(step), messages=trajectory.messages(),
+            model=model.get_inference_name(step), messages=cast(Any, trajectory.messages()),
             max_completion_tokens=16, temperature=temperature)
         choice = chat_completion.choices[0]
         content = choice.message.content or ""

@@ -8,8 +8,9 @@ guess is an invalid move: the first is warned about, the second ends the game. T
 played the way textarena's own agents are (``action = agent(observation)``, the observation
 being the whole game so far, from its default ``LLMObservationWrapper``): one ``Runner.run``
 per turn, its input two example turns (the game's opening, answered ``[10]``, then ``[15]``
-after "higher") and the observation. Success is the game's outcome (textarena's reward 1: the number was found); the
-reward is textarena's own reward (1 on a win, else how close the last guess came).
+after "higher") and the observation. Success is the game's outcome (textarena's reward 1: the
+number was found); the reward is textarena's own reward (1 on a win, else how close the last
+guess came).
 
 Items are game seeds (``seed-N``); the split is by the hash of that key. The seed decides the
 number only (20 of them), so train and held-out games share numbers, but the agent never sees
@@ -89,7 +90,7 @@ async def rollout(model: Any, item: Item, *, temperature: float = 1.0,
 
     agent = Agent(name="player", instructions=INSTRUCTIONS,
                   model=model.get_inference_name(step),
-                  model_settings=ModelSettings(temperature=temperature, max_tokens=12))
+                  model_settings=ModelSettings(temperature=temperature, max_tokens=8))
     run_config = RunConfig(model_provider=TracerlModelProvider(model),
                            workflow_name="guess-the-number")
 
