@@ -15,6 +15,7 @@
     ├── RolloutTimeoutError (TimeoutError)    rollout_timeout        504
     ├── RolloutNotFoundError (LookupError)    rollout_not_found      404
     ├── RolloutFinishedError (RuntimeError)   rollout_finished       409
+    ├── ExternalAgentError (RuntimeError)     external_agent_failed  502
     ├── TooManyExceptionsError (RuntimeError) too_many_exceptions    500
     ├── EngineError (RuntimeError)            engine_error           503
     │   ├── EngineUnavailableError            engine_unavailable     503
