@@ -86,8 +86,8 @@ def graph(runtime_only: bool = False) -> dict[str, set[str]]:
             for name, path in mods.items()}
 
 
-# packages at the top (ART's import paths; the task catalog, which uses the public API as a user
-# does), like the modules directly in tracerl/
+# packages at the top (ART's import paths; the task catalog, whose tasks use the public API as
+# users' code does: ``import tracerl as art``), like the modules directly in tracerl/
 TOP_PACKAGES = {"utils", "local", "tasks"}
 
 

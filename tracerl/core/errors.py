@@ -17,6 +17,7 @@
     ├── RolloutFinishedError (RuntimeError)   rollout_finished       409
     ├── ResponseNotFoundError (LookupError)   response_not_found     404
     ├── FeedbackClosedError (RuntimeError)    feedback_closed        409
+    ├── ExternalAgentError (RuntimeError)     external_agent_failed  502
     ├── TooManyExceptionsError (RuntimeError) too_many_exceptions    500
     ├── EngineError (RuntimeError)            engine_error           503
     │   ├── EngineUnavailableError            engine_unavailable     503
@@ -121,6 +122,10 @@ class ResponseNotFoundError(TracerlError, LookupError, code="response_not_found"
 
 class FeedbackClosedError(TracerlError, RuntimeError, code="feedback_closed", status=409):
     """A live call's feedback can no longer be taken: it has its reward already, or expired."""
+
+
+class ExternalAgentError(TracerlError, RuntimeError, code="external_agent_failed", status=502):
+    """An agent run as a process of its own (a task's Node agent) failed or broke its protocol."""
 
 
 class TooManyExceptionsError(TracerlError, RuntimeError, code="too_many_exceptions"):

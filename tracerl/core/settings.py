@@ -135,6 +135,7 @@ PLUGINS = "Plugins and loggers"
 RULER = "The RULER judge"
 WATCHDOG = "The watchdog"
 RANKS = "Set by tracerl for its trainer ranks"
+TASKS = "The task catalog (tracerl.tasks)"
 OTHERS = "Other tools' variables that tracerl reads"
 
 # Each variable is named after the attribute it is assigned to (see SETTINGS at the end).
@@ -256,6 +257,12 @@ TRACERL_COORDINATOR_KEY = _optional_text(
 TRACERL_RANK_DEVICE = _declare(
     "one of auto, cpu, cuda", _choice("auto", "cpu", "cuda"), "auto", RANKS,
     "a rank's device (DistributedTrainerConfig.device): auto is CUDA when available")
+
+# --- the task catalog ------------------------------------------------------------------------
+TRACERL_NPM_PREFIX = _declare(
+    "path", Path, None, TASKS, "the npm prefix whose node_modules holds the openai npm package "
+    "for the Node agent of the node-chain-sum task (installed there on first use); unset: "
+    "TRACERL_CACHE/npm")
 
 # --- other tools' variables ------------------------------------------------------------------
 RANK = _declare("int", int, None, OTHERS,

@@ -191,7 +191,10 @@ async def finish_rollout(trajectory: object, rollout: RolloutContext) -> Traject
         )
     if trajectory.scope is not None:  # captured by its own `with Trajectory():` block
         rollout = trajectory.scope
-    trajectory.rollout_id = rollout.rollout_id
+    if not (trajectory.llm_calls and trajectory.rollout_id):
+        trajectory.rollout_id = rollout.rollout_id
+    # else it holds its calls already (one taken from the rollout API): it keeps the id they
+    # were recorded under, so that training claims them
     if trajectory.end_time is None:
         trajectory.end_time = time.time()
     await _attach_calls(trajectory, rollout)

@@ -12,6 +12,9 @@ from .base import Task
 # name -> (module, the modules it imports from the `tasks` extra)
 CATALOG: dict[str, tuple[str, tuple[str, ...]]] = {
     "tool-products": ("tracerl.tasks.tool_products", ("reasoning_gym", "langgraph", "langchain")),
+    "game-guess-number": ("tracerl.tasks.game_guess_number", ("textarena", "agents")),
+    "node-chain-sum": ("tracerl.tasks.node_chain_sum", ("reasoning_gym",)),
+    "art-tic-tac-toe": ("tracerl.tasks.art_tic_tac_toe", ("openai",)),
 }
 TASK_NAMES = tuple(sorted(CATALOG))
 
