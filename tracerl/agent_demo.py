@@ -49,5 +49,6 @@ async def agent_demo(steps: int, engine: str, base_path: str, seed: int = 0,
           f"{steps} steps in {run.seconds:.0f} s\nmodel folder: {model_dir}\n"
           f"report:       {plots[0]}\n"
           f"next:         tracerl eval {model_dir} --task {TASK} --steps base,latest")
-    return {"evals": {s: run.success(s) for s in run.evals}, "seconds": run.seconds,
-            "model_dir": str(model_dir), "train_success": run.train_success}
+    return {"evals": {s: run.success(s) for s in run.evals}, "held_out": run.evals,
+            "seconds": run.seconds, "model_dir": str(model_dir),
+            "train_success": run.train_success}
