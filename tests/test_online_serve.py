@@ -28,6 +28,7 @@ ONLINE = {"group_size": 4, "groups_per_step": 4, "canary_share": 0.5, "evaluate_
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 async def test_a_bad_candidate_is_rolled_back_and_a_good_one_promoted_under_live_traffic(
         tmp_path):
     server = ServerProcess(tmp_path, args=(

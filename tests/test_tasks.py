@@ -146,6 +146,7 @@ def test_eval_of_a_folder_that_is_no_model(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # 6 steps of 18 tool-agent rollouts and 3 evaluations on CPU
 async def test_agent_demo_learns_to_use_the_tool(tmp_path):
     """``tracerl demo --task agent``: the LangGraph agent learns to call its tool with the
     question's numbers on held-out problems it never trained on (the base model never calls

@@ -72,6 +72,7 @@ def _step(rows: int, tokens: int) -> dict[str, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # two steps in subprocesses, 200k tokens on 2 cores
 def test_a_step_of_100_rows_of_2k_tokens_stays_within_one_micro_batchs_memory():
     one = _step(rows=2, tokens=2048)  # one micro-batch of 4,096 tokens
     step = _step(rows=100, tokens=2048)  # 50 of them
