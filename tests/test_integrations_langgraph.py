@@ -279,7 +279,7 @@ async def test_art_style_init_chat_model_takes_its_model_from_wrap_rollout(agent
         return 1.0
 
     traj = await art_langgraph.wrap_rollout(agent_model, my_agent)("Say yes")
-    assert [call.model for call in traj.llm_calls] == [agent_model.name] * 2
+    assert [call.model for call in traj.llm_calls] == [agent_model.get_inference_name()] * 2
 
 
 async def test_art_style_init_chat_model_outside_wrap_rollout_binds_inside_one(agent_model):
@@ -287,7 +287,7 @@ async def test_art_style_init_chat_model_outside_wrap_rollout_binds_inside_one(a
 
     llm = art_langgraph.init_chat_model(temperature=0, max_tokens=2)  # no model yet: lazy
     traj = await art_langgraph.wrap_rollout(agent_model, lambda: _say(llm))()
-    assert [call.model for call in traj.llm_calls] == [agent_model.name]
+    assert [call.model for call in traj.llm_calls] == [agent_model.get_inference_name()]
 
 
 async def _say(llm) -> float:

@@ -65,7 +65,8 @@ async def subagents(tf_backend):
 def test_each_call_is_recorded_under_the_model_that_served_it(subagents):
     for trajectory in subagents.first[0].trajectories:
         models = [c.model for c in trajectory.llm_calls]
-        assert models == [subagents.planner.name, subagents.writer.name]  # the graph's order
+        assert models == [subagents.planner.get_inference_name(),  # the graph's order
+                          subagents.writer.get_inference_name()]
         assert trajectory.reward in (0.0, 1.0)
 
 
@@ -76,7 +77,7 @@ def test_each_model_trains_two_steps_on_its_own_calls_only(subagents):
     for model in (subagents.planner, subagents.writer):
         metrics = subagents.results[0][model].metrics
         own = [c for t in subagents.first[0].trajectories for c in t.llm_calls
-               if c.model == model.name]
+               if c.model == model.get_inference_name()]
         assert metrics["rows"] == 4 and metrics["rendered_rows"] == 0
         assert metrics["trained_tokens"] == sum(len(c.completions[0].token_ids) for c in own)
 
