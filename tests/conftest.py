@@ -179,8 +179,8 @@ async def unhealthy_step(tf_backend, agent_model):
     """One training step of a model of its own with every step-health problem, each made for
     real: a group with equal rewards, an agent that rewrites history between calls, a call made
     outside any rollout, completions cut at max_tokens, trajectories without token records
-    (re-rendered), and prompts from an engine whose chat template differs from the trainer's
-    (agent_model's chatml-tools). The watchdog's train threshold is 0, so the step's wait is
+    (re-rendered), and a group of calls another model served (agent_model: not trained on by
+    this one). The watchdog's train threshold is 0, so the step's wait is
     reported. Returns (metrics, warnings logged, watchdog messages, model folder)."""
     import tracerl
 
