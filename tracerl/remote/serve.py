@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
+import os
 import signal
 import threading
 from collections.abc import Sequence
@@ -77,6 +78,7 @@ def serve(*, host: str, port: int, path: str, api_key: str | None, engine: str |
         validate_name("model", name)
     for module in plugins:
         register_plugin(importlib.import_module(module), name=module)
+    _no_progress_bars()
     backend = LocalBackend(path=path, host=host, port=port, api_key=api_key, engine=engine,
                            placement=placement or {})
     control = ControlServer(backend, max_upload_bytes=max_upload_bytes, max_queued=max_queued,
@@ -114,3 +116,11 @@ def serve(*, host: str, port: int, path: str, api_key: str | None, engine: str |
 async def _make_event() -> asyncio.Event:
     """An event of the gateway's loop (made on it)."""
     return asyncio.Event()
+
+
+def _no_progress_bars() -> None:
+    """A server's log is lines, not progress bars (transformers draws one per weight load)."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
