@@ -136,7 +136,8 @@ async def test_the_staleness_bound_holds_for_every_trained_call(tf_backend, tmp_
         for c in calls:  # two versions resident: a rollout stays on its version
             by_rollout.setdefault(c.rollout_id, set()).add(c.adapter_step)
         assert all(len(v) == 1 for v in by_rollout.values())
-    assert AdapterPublisher(str(published)).published("pipeline/stale1") == [2, 3]  # older ones retired
+    # older ones retired
+    assert AdapterPublisher(str(published)).published("pipeline/stale1") == [2, 3]
     route = backend.gateway.models["pipeline/stale1"]
     assert route.versions == {s: published / "pipeline" / "stale1" / f"policy@{s}" for s in (2, 3)}
 
