@@ -4,6 +4,7 @@ request ids the test chooses (so it can send the same request again after a cras
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx2
@@ -13,6 +14,15 @@ from tracerl.core.model_spec import spec_of
 from tracerl.remote.wire import API_PREFIX, NDJSON, encode_groups
 
 from .remote_server import API_KEY
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie waiting to be reaped."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
 
 AUTH = {"authorization": f"Bearer {API_KEY}"}
 CONFIG = tracerl.ModelConfig(engine=tracerl.EngineConfig(max_model_len=256))

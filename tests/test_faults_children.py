@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import tracerl
+from tests.faults_support import alive
 from tests.remote_server import API_KEY, ROOT, free_port
 from tracerl.core.net import stop_process_group
 
@@ -28,15 +29,6 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
 LITELLM_PYTHON = os.environ.get("TRACERL_LITELLM_PYTHON")
 INSTANT_VLLM = ROOT / "benchmarks" / "instant_vllm"
 GONE_WITHIN_S = 60.0
-
-
-def alive(pid: int) -> bool:
-    """Running, not a zombie waiting to be reaped."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return False
-    return state != "Z"
 
 
 def children(pid: int) -> list[int]:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.faults_support import alive
+
 INSTANT_VLLM = Path(__file__).resolve().parents[1] / "benchmarks" / "instant_vllm"
 
 TRAINER = """
@@ -34,15 +36,6 @@ async def main():
 
 asyncio.run(main())
 """
-
-
-def alive(pid: int) -> bool:
-    """Running, not a zombie waiting to be reaped."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return False
-    return state != "Z"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")

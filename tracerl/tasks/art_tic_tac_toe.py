@@ -191,4 +191,4 @@ TASK = Task(name="art-tic-tac-toe",
             source="OpenPipe ART examples/tic_tac_toe (Apache-2.0)",
             framework="ART API (import tracerl as art), OpenAI client",
             draw=draw, rollout=rollout, model_config=model_config,
-            group_size=6, items_per_step=4, learning_rate=1e-3, max_turns=5)
+            group_size=6, items_per_step=4, learning_rate=1e-3)

@@ -56,7 +56,6 @@ class Task:
     group_size: int = 6  # rollouts per item in a training step
     items_per_step: int = 4
     learning_rate: float = 1e-3
-    max_turns: int = 4
 
     def items(self, split: Split, n: int, seed: int = 0) -> list[Item]:
         """``n`` distinct items of ``split`` (the held-out split is ``test``)."""

@@ -126,4 +126,4 @@ TASK = Task(name="game-guess-number",
             source="textarena 0.7.4 `GuessTheNumber-v0` (MIT)",
             framework="OpenAI Agents SDK Agent + Runner",
             draw=draw, rollout=rollout, model_config=model_config,
-            group_size=6, items_per_step=4, learning_rate=1e-3, max_turns=20)
+            group_size=6, items_per_step=4, learning_rate=1e-3)

@@ -196,4 +196,4 @@ TASK = Task(name="node-chain-sum",
             source="reasoning-gym 0.1.25 `chain_sum` (Apache-2.0)",
             framework="Node.js openai npm client, tracerl rollout API",
             draw=draw, rollout=rollout, model_config=model_config,
-            group_size=6, items_per_step=4, learning_rate=1e-3, max_turns=1)
+            group_size=6, items_per_step=4, learning_rate=1e-3)
