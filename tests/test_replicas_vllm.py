@@ -18,8 +18,10 @@ from tests.conftest import VLLM_TESTS, make_random_lora, until
 from tracerl.backend.engines.replica_set import ReplicaSet
 from tracerl.backend.engines.vllm_engine import VLLMEngine, startup_timeout_s
 
-# three vLLM servers at once (one killed, one restarting, one joining): its own process in
-# the slow stage, not beside the fast stage's session fixtures on a 2-core machine
+# three vLLM servers at once (one killed, one restarting, one joining): in the slow stage, not
+# beside the fast stage's session fixtures on a 2-core machine, and stopped when this module
+# ends (module scope): kept for the session they sat beside the agent demo's training and the
+# CI box's OOM killer ended the slow stage
 pytestmark = [*VLLM_TESTS, pytest.mark.slow]
 
 MSGS = [{"role": "user", "content": "Name a colour."}]
@@ -37,7 +39,7 @@ async def greedy(model, rollout: str, max_tokens: int = 6, **extra) -> tracerl.L
     return (await model.fetch_calls(rollout))[-1]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 async def two_replicas(tmp_path_factory, smollm2_path):
     """Two vLLM servers behind one gateway; adapters 1, 2 and 3 published (two resident); one
     replica SIGKILLed between two calls of a rollout and while calls were in flight; a third
