@@ -408,6 +408,21 @@ async def test_model_log_needs_something_to_log(scoped):
         await scoped.model.log()
 
 
+@pytest.mark.parametrize("field", ["step", "split", "time"])
+async def test_a_metric_named_like_a_history_field_is_refused_before_anything_is_written(
+        scoped, field):
+    """A metric ``step`` overwrote the line's step (the line landed at another step)."""
+    model, group = scoped.model, scoped.group
+    store = model.backend.store(model.spec)
+    before = await model.history()
+    with pytest.raises(tracerl.InvalidTrajectoryError, match=rf"metrics\['{field}'\]"):
+        await model.log([group], split="refused", metrics={field: 3.0}, step=40)
+    with pytest.raises(tracerl.InvalidTrajectoryError, match=rf"metrics\['{field}'\]"):
+        await model.backend.log(model.spec, [group], "refused", 40, {field: 3.0})
+    assert await model.history() == before
+    assert not store.trajectories_path("refused", 40).exists()
+
+
 class HookRecorder:
     """A plugin that notes which step and logging hooks fire."""
 

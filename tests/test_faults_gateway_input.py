@@ -204,6 +204,10 @@ UNRECORDABLE = {
     "log-step-2e63": ("POST", LOG, upload('{"request_id": "l6", "split": "val", '
                                           '"step": 9223372036854775808, "metrics": {}}'), {},
                       "step"),
+    "log-metric-step": ("POST", LOG, upload('{"request_id": "l9", "split": "val", "step": 1, '
+                                            '"metrics": {"step": 7}}'), {}, "metrics.step"),
+    "log-metric-split": ("POST", LOG, upload('{"request_id": "l10", "split": "val", "step": 1, '
+                                             '"metrics": {"split": 1}}'), {}, "metrics.split"),
     "log-group-surrogate": ("POST", LOG, upload('{"request_id": "l7", "split": "val", "step": 1}',
                                                 GROUP.replace('"hi"', '"\\ud800"')), {},
                             "messages_and_choices[0].content"),

@@ -26,7 +26,7 @@ from ..core.model_spec import ModelLike, ModelSpec, spec_of
 from ..core.net import is_loopback
 from ..core.release_log import ReleaseLog
 from ..core.spans import Span
-from ..core.storage import ModelStore
+from ..core.storage import ModelStore, check_history_metrics
 from ..core.trajectory import (
     LLMCall,
     Trajectory,
@@ -482,6 +482,7 @@ class LocalBackend(Backend):
 
     async def log(self, model: ModelLike, groups: list[TrajectoryGroup], split: str, step: int,
                   metrics: dict[str, float]) -> None:
+        check_history_metrics(metrics)  # before the groups are written
         store = self.store(model)
         path = store.trajectories_path(split, step)
         # several log() calls of one step add up; a group already in the file (ART's

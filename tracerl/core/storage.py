@@ -32,11 +32,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, DiskFullError, StorageError
+from .errors import ConfigError, DiskFullError, InvalidTrajectoryError, StorageError
 
 log = logging.getLogger(__name__)
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
+# the fields of a history line: a logged metric of one of these names would overwrite them
+HISTORY_FIELDS = ("step", "split", "time")
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # fullmatch: no trailing newline
 _CHECKPOINT_RE = re.compile(r"^\d{4,}$")
 STEP_METRICS = "step_metrics.json"
@@ -174,6 +176,16 @@ def read_jsonl(path: Path, *, torn: list[int] | None = None) -> list[dict[str, A
             continue
         out.append(value)
     return out
+
+
+def check_history_metrics(metrics: dict[str, Any]) -> None:
+    """Refuse a metric named like a history line's own field (``step``, ``split``, ``time``):
+    it would overwrite the field, and the line would land at another step or split."""
+    for key in HISTORY_FIELDS:
+        if key in metrics:
+            raise InvalidTrajectoryError(
+                f"metrics[{key!r}]: {key!r} is a field of every history line "
+                f"({', '.join(HISTORY_FIELDS)}); log the metric under another name")
 
 
 @contextmanager
@@ -339,6 +351,7 @@ class ModelStore:
         return self.checkpoint_metrics(step) or {}
 
     def log_history(self, step: int, split: str, metrics: dict[str, float]) -> None:
+        check_history_metrics(metrics)
         append_jsonl(self.history_path,
                      {"step": step, "split": split, "time": time.time(), **metrics})
 

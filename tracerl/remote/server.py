@@ -29,7 +29,7 @@ from ..core.errors import (
     TracerlError,
 )
 from ..core.model_spec import ModelSpec
-from ..core.storage import atomic_write_text, validate_name
+from ..core.storage import HISTORY_FIELDS, atomic_write_text, validate_name
 from ..core.trajectory import group_lines
 from .jobs import TrainQueue, request_marker
 from .wire import API_PREFIX, NDJSON, decode_groups
@@ -207,6 +207,10 @@ class ControlServer:
                 if isinstance(value, bool) or not isinstance(value, int | float):
                     raise RequestError(f"metrics.{key} must be a number, got {value!r}"[:200],
                                        param=f"metrics.{key}")
+                if key in HISTORY_FIELDS:
+                    raise RequestError(f"metrics.{key}: {key!r} is a field of every history "
+                                       f"line ({', '.join(HISTORY_FIELDS)}); log it under "
+                                       "another name", param=f"metrics.{key}")
             marker = request_marker(self.backend.store(model), "log", params.get("request_id"))
             if not marker.exists():  # a retried log is applied once
                 await self.backend.log(model, groups, validate_name("split", split), step, metrics)

@@ -17,7 +17,7 @@ from ..core.loops import PerLoop
 from ..core.metrics import summarize_groups
 from ..core.model_spec import ModelSpec
 from ..core.spans import Span
-from ..core.storage import validate_name
+from ..core.storage import check_history_metrics, validate_name
 from ..core.trajectory import LLMCall, Trajectory, TrajectoryGroup, attach_scoped_calls
 from ..events.lifecycle import step_logged, train_event
 from . import client as _client
@@ -222,6 +222,7 @@ class Model:
                                          "trajectories, groups, or only metrics=")
         if trajectories is None and metrics is None:
             raise InvalidTrajectoryError("model.log needs trajectories, metrics=, or both")
+        check_history_metrics(metrics or {})
         if step is None:
             step = await self.get_step()
         await attach_scoped_calls(groups)
