@@ -5,6 +5,8 @@ calls only, two steps, each with its own adapter on the shared base."""
 
 from __future__ import annotations
 
+import importlib
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -12,28 +14,18 @@ import pytest
 pytest.importorskip("langgraph")
 
 from langchain_core.messages import HumanMessage
-from langgraph.graph import END, START, MessagesState, StateGraph
 
 import tracerl
 from tracerl.integrations.langchain import graph_rollout, init_chat_model
 
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
-def two_agent_graph(planner_llm, writer_llm):
-    """planner -> writer: the planner outlines, the writer answers from the outline."""
-    async def planner(state: MessagesState) -> dict:
-        return {"messages": [await planner_llm.ainvoke(state["messages"])]}
 
-    async def writer(state: MessagesState) -> dict:
-        prompt = [*state["messages"], HumanMessage("Now answer in one word.")]
-        return {"messages": [await writer_llm.ainvoke(prompt)]}
-
-    g = StateGraph(MessagesState)
-    g.add_node("planner", planner)
-    g.add_node("writer", writer)
-    g.add_edge(START, "planner")
-    g.add_edge("planner", "writer")
-    g.add_edge("writer", END)
-    return g.compile()
+def example_graph():
+    """The graph of ``examples/langgraph_subagents.py`` (planner -> solver), as it ships."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(EXAMPLES))  # the example imports its siblings
+        return importlib.import_module("langgraph_subagents").build_graph
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +35,7 @@ async def subagents(tf_backend):
                                               base_model="smollm2") for n in ("planner", "writer"))
     for m in (planner, writer):
         await m.register(backend)
-    graph = two_agent_graph(init_chat_model(planner, temperature=1.0, max_tokens=6),
+    graph = example_graph()(init_chat_model(planner, temperature=1.0, max_tokens=6),
                             init_chat_model(writer, temperature=1.0, max_tokens=4))
     rollout = graph_rollout(graph, lambda inp, state: inp["reward"])  # one reward for both
 
