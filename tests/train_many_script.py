@@ -10,6 +10,8 @@ import json
 import sys
 import time
 
+from train_script import rollout  # a sibling: run as a script, tests/ is on the path
+
 import tracerl
 
 
@@ -19,13 +21,6 @@ class HangAfterTheFirstCheckpoint:
         print(f"DONE {model.key}", flush=True)
         print("HANGING", flush=True)
         time.sleep(600)  # the injected fault: stall until the test kills the process
-
-
-async def rollout(model, i):
-    r = await model.openai_client().chat.completions.create(
-        model=model.name, messages=[{"role": "user", "content": f"Count to {i}."}], max_tokens=4,
-        temperature=1.0)
-    return tracerl.Trajectory(messages_and_choices=[r.choices[0]], reward=float(i % 2))
 
 
 async def main(path, mode):
