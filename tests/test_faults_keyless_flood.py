@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import tracerl
+from benchmarks.keyless_flood import timed_get  # the benchmark's own GET
 
 FLOOD_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "keyless_flood.py"
 KEY = "sk-test-flood"
@@ -52,17 +53,9 @@ def flood(gateway) -> Iterator[dict[str, int]]:
 
 
 async def get(host: str, port: int, path: str, key: str | None = None) -> int:
-    """The status of one GET on a fresh connection from 127.0.0.1."""
-    reader, writer = await asyncio.open_connection(host, port, local_addr=("127.0.0.1", 0))
-    try:
-        auth = f"Authorization: Bearer {key}\r\n" if key else ""
-        writer.write(f"GET {path} HTTP/1.1\r\nHost: g\r\n{auth}Connection: close\r\n\r\n"
-                     .encode())
-        status_line = await reader.readline()
-        await reader.read(-1)
-    finally:
-        writer.close()
-    return int(status_line.split()[1])
+    """The status of one GET on a fresh connection from 127.0.0.1 (0: closed unanswered)."""
+    status, _ = await timed_get(host, port, path, key, "127.0.0.1")
+    return status
 
 
 async def test_keyed_calls_and_health_answer_during_a_keyless_flood(gateway, flood):
