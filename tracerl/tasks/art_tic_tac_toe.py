@@ -22,8 +22,7 @@ import openai
 
 import tracerl as art
 
-from ..core.config import EngineConfig, LoraConfig, ModelConfig
-from .base import Item, Task
+from .base import Item, Task, lora_config_for
 
 Symbol = Literal["x", "o"]
 
@@ -182,13 +181,8 @@ async def rollout(model: Any, item: Item, *, temperature: float = 1.0,
     return await run_as_rollout(play)
 
 
-def model_config() -> ModelConfig:
-    return ModelConfig(lora=LoraConfig(r=8, alpha=16), engine=EngineConfig(max_model_len=1024))
-
-
 TASK = Task(name="art-tic-tac-toe",
             summary="ART's tic-tac-toe example (XML moves vs a random opponent), ART API",
             source="OpenPipe ART examples/tic_tac_toe (Apache-2.0)",
             framework="ART API (import tracerl as art), OpenAI client",
-            draw=draw, rollout=rollout, model_config=model_config,
-            group_size=6, items_per_step=4, learning_rate=1e-3)
+            draw=draw, rollout=rollout, model_config=lora_config_for(1024))

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..core.config import ModelConfig
+from ..core.config import EngineConfig, LoraConfig, ModelConfig
 from ..core.trajectory import Trajectory
 
 Split = Literal["train", "test"]
@@ -33,6 +33,16 @@ class Item:
 
 
 Rollout = Callable[..., Awaitable[Trajectory]]
+
+
+def lora_config_for(max_model_len: int, **engine: Any) -> Callable[[], ModelConfig]:
+    """The catalog's model configuration: a rank-8 LoRA (alpha 16) served with
+    ``max_model_len`` tokens of context; ``engine`` adds engine settings (a chat template, a
+    tool-call parser)."""
+    def model_config() -> ModelConfig:
+        return ModelConfig(lora=LoraConfig(r=8, alpha=16),
+                           engine=EngineConfig(max_model_len=max_model_len, **engine))
+    return model_config
 
 
 @dataclass(frozen=True)

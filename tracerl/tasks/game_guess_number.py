@@ -24,9 +24,8 @@ import re
 import time
 from typing import Any
 
-from ..core.config import EngineConfig, LoraConfig, ModelConfig
 from ..core.trajectory import Trajectory
-from .base import Item, Task
+from .base import Item, Task, lora_config_for
 
 GAME = "GuessTheNumber-v0"
 INSTRUCTIONS = ("You play a guessing game. Answer with one new guess in square brackets, "
@@ -117,13 +116,8 @@ async def rollout(model: Any, item: Item, *, temperature: float = 1.0,
     return await run_as_rollout(play)
 
 
-def model_config() -> ModelConfig:
-    return ModelConfig(lora=LoraConfig(r=8, alpha=16), engine=EngineConfig(max_model_len=1024))
-
-
 TASK = Task(name="game-guess-number",
             summary="textarena GuessTheNumber-v0 (1-20, ten guesses), OpenAI Agents SDK agent",
             source="textarena 0.7.4 `GuessTheNumber-v0` (MIT)",
             framework="OpenAI Agents SDK Agent + Runner",
-            draw=draw, rollout=rollout, model_config=model_config,
-            group_size=6, items_per_step=4, learning_rate=1e-3)
+            draw=draw, rollout=rollout, model_config=lora_config_for(1024))

@@ -34,10 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from ..core import settings
-from ..core.config import EngineConfig, LoraConfig, ModelConfig
 from ..core.errors import ConfigError, ExternalAgentError
 from ..core.trajectory import Trajectory, TrajectoryGroup
-from .base import Item, Task
+from .base import Item, Task, lora_config_for
 
 log = logging.getLogger(__name__)
 AGENT = Path(__file__).with_name("node_agent.cjs")
@@ -187,13 +186,8 @@ async def _play(node: str, job: dict[str, Any], env: dict[str, str], model: Any,
     return trajectory
 
 
-def model_config() -> ModelConfig:
-    return ModelConfig(lora=LoraConfig(r=8, alpha=16), engine=EngineConfig(max_model_len=512))
-
-
 TASK = Task(name="node-chain-sum",
             summary="reasoning-gym chain_sum answered by a Node agent through the rollout API",
             source="reasoning-gym 0.1.25 `chain_sum` (Apache-2.0)",
             framework="Node.js openai npm client, tracerl rollout API",
-            draw=draw, rollout=rollout, model_config=model_config,
-            group_size=6, items_per_step=4, learning_rate=1e-3)
+            draw=draw, rollout=rollout, model_config=lora_config_for(512))

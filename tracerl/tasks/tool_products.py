@@ -12,9 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..core.config import EngineConfig, LoraConfig, ModelConfig
 from ..core.trajectory import Trajectory
-from .base import Item, Task
+from .base import Item, Task, lora_config_for
 
 SYSTEM = "You are a calculator. Use the multiply tool, then answer with its result only."
 DIFFICULTY = {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 3}
@@ -133,11 +132,7 @@ async def rollout(model: Any, item: Item, *, temperature: float = 1.0,
     return await wrap_rollout(model, play)()
 
 
-def model_config() -> ModelConfig:
-    return ModelConfig(lora=LoraConfig(r=8, alpha=16), engine=EngineConfig(
-        max_model_len=1024, chat_template="chatml-tools", tool_call_parser="hermes"))
-
-
 TASK = Task(name="tool-products", summary="multiply two numbers with a tool (LangGraph agent)",
             source="reasoning-gym 0.1.25 `products`", framework="LangGraph create_agent",
-            draw=draw, rollout=rollout, model_config=model_config)
+            draw=draw, rollout=rollout, model_config=lora_config_for(
+                1024, chat_template="chatml-tools", tool_call_parser="hermes"))
