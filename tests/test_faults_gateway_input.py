@@ -7,8 +7,10 @@ field; nothing answers 5xx; nothing is written on a 4xx."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import re
 import uuid
 from pathlib import Path
 from urllib.parse import quote
@@ -248,6 +250,60 @@ def test_a_value_that_cannot_be_recorded_is_a_400_naming_it_and_writes_nothing(
     assert r.status_code == 400, r.text[:500]
     error = r.json()["error"]
     assert param in (error["param"] or error["message"]), error
+    assert files_of(faults_server.path / "data") == before
+
+
+def framed(path: str, headers: str, body: bytes, key: bool = True) -> bytes:
+    """A raw POST head with the framing headers given as they are, then ``body``."""
+    auth = f"Authorization: Bearer {API_KEY}\r\n" if key else ""
+    return (f"POST {path} HTTP/1.1\r\nHost: a\r\n{auth}Content-Type: application/json\r\n"
+            f"{headers}\r\n").encode() + body
+
+
+CHAT = "/v1/chat/completions"
+OK_BODY = OK_CHAT + b"}"
+# a body framed by headers that lie about it (issue 34, left out of the fuzzers: httpx cannot
+# send them): id: (raw request, the statuses answered in order). The body deadline of the
+# faults server (2 s) ends the ones that promise more than arrives.
+LYING_FRAMES = {
+    "length-short": (framed(CHAT, "Content-Length: 10\r\n", OK_BODY), ["400"]),
+    "length-long": (framed(CHAT, f"Content-Length: {len(OK_BODY) + 50}\r\n", OK_BODY), ["408"]),
+    "length-negative": (framed(CHAT, "Content-Length: -1\r\n", OK_BODY), ["400"]),
+    "length-letters": (framed(CHAT, "Content-Length: abc\r\n", OK_BODY), ["400"]),
+    "length-signed": (framed(CHAT, f"Content-Length: +{len(OK_BODY)}\r\n", OK_BODY), ["400"]),
+    "length-past-64-bits": (framed(CHAT, "Content-Length: 1" + "0" * 30 + "\r\n", OK_BODY),
+                            ["400"]),
+    "length-twice-unequal": (framed(CHAT, f"Content-Length: {len(OK_BODY)}\r\n"
+                                          "Content-Length: 5\r\n", OK_BODY), ["400"]),
+    "length-space-before-colon": (framed(CHAT, f"Content-Length : {len(OK_BODY)}\r\n",
+                                         OK_BODY), ["400"]),
+    "length-and-chunked": (framed(CHAT, f"Content-Length: {len(OK_BODY)}\r\n"
+                                        "Transfer-Encoding: chunked\r\n", OK_BODY), ["408"]),
+    "chunk-size-not-hex": (framed(CHAT, "Transfer-Encoding: chunked\r\n",
+                                  b"zz\r\n" + OK_BODY), ["400"]),
+    "chunk-longer-than-sent": (framed(CHAT, "Transfer-Encoding: chunked\r\n",
+                                      b"ffff\r\n" + OK_BODY + b"\r\n0\r\n\r\n"), ["408"]),
+    "encoding-unknown": (framed(CHAT, "Transfer-Encoding: gzip\r\n", OK_BODY), ["400"]),
+    # a short length leaves a second request in the stream: it is one of its own, keyless
+    "smuggled-request": (framed(CHAT, "Content-Length: 2\r\n", b"{}" + framed(
+        CHAT, f"Content-Length: {len(OK_BODY)}\r\n", OK_BODY, key=False)), ["400", "401"]),
+    "log-length-short": (framed(LOG, "Content-Length: 3\r\n", upload(
+        '{"request_id": "f1", "split": "val", "step": 1}')), ["400"]),
+}
+
+
+@pytest.mark.parametrize("raw, statuses", LYING_FRAMES.values(), ids=list(LYING_FRAMES))
+async def test_a_body_whose_framing_lies_is_a_4xx_and_writes_nothing(
+        http, faults_server, raw, statuses):
+    before = files_of(faults_server.path / "data")
+    reader, writer = await asyncio.open_connection("127.0.0.1", faults_server.port)
+    try:
+        writer.write(raw)
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(-1), 30)  # the server ends the connection
+    finally:
+        writer.close()
+    assert re.findall(rb"HTTP/1\.1 (\d{3}) ", answer) == [s.encode() for s in statuses], answer
     assert files_of(faults_server.path / "data") == before
 
 
