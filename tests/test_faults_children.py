@@ -71,6 +71,13 @@ def kill_groups(pids: list[int]) -> None:
             os.killpg(pid, signal.SIGKILL)
 
 
+def as_a_terminal_starts_it() -> None:
+    """In the child before exec: SIGINT at its default, as a shell's foreground job has it. A
+    script's background job (``cmd &``, as a CI runner may start the tests) inherits SIGINT
+    ignored, and Python keeps ignoring it: the command would rightly outlive a SIGINT."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def end(parent: subprocess.Popen, sig: signal.Signals) -> None:
     """Send ``sig`` to ``parent`` alone and reap it."""
     parent.send_signal(sig)
@@ -125,7 +132,8 @@ def test_the_litellm_proxy_ends_with_tracerl_proxy(tf_backend, tmp_path, sig):
         [sys.executable, "-m", "tracerl", "proxy", "--backend-url", backend.base_url,
          "--model", model.get_inference_name(), "--port", str(free_port())],
         cwd=tmp_path, env=env_for_children(TRACERL_LITELLM_PYTHON=LITELLM_PYTHON or ""),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=as_a_terminal_starts_it)
     started: list[int] = []
     try:
         lines = []
