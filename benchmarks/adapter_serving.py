@@ -37,7 +37,7 @@ from pyspy import start_profile, top_frames
 
 import tracerl
 from tracerl.backend.engines.vllm_engine import engine_connector
-from tracerl.backend.recorder import inject_training_fields
+from tracerl.backend.gateway.recorder import inject_training_fields
 
 TARGETS = {"all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
            "qv": ["q_proj", "v_proj"]}

@@ -20,7 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from tracerl.backend.recorder import CallStore, build_call
+from tracerl.backend.gateway.recorder import CallStore, build_call
 from tracerl.core.storage import ModelStore
 
 

@@ -1,7 +1,7 @@
 """Online learning on the demo's task (repeat a number) with simulated production traffic.
 
 A LocalBackend serves SmolLM2-135M-Instruct (transformers engine) in online mode
-(:class:`tracerl.backend.online.OnlineLoop`). A traffic simulator calls it as a production
+(:class:`tracerl.backend.online.loop.OnlineLoop`). A traffic simulator calls it as a production
 service would: plain chat completions tagged ``task=repeat``, arriving on a simulated clock, each
 reward sent through the feedback route a random delay later (late rewards), a share of them
 never (they expire). The first candidate is trained on an inverted reward (a
@@ -32,7 +32,7 @@ import httpx
 
 import tracerl
 from tests.online_bad_candidate_plugin import inverted_reward
-from tracerl.backend.online import OnlineLoop
+from tracerl.backend.online.loop import OnlineLoop
 from tracerl.backend.training.health import CLAIMED
 from tracerl.core.config import OnlineConfig
 from tracerl.core.storage import ModelStore, append_jsonl

@@ -54,7 +54,7 @@ from pyspy import start_profile, top_frames
 import tracerl
 from tracerl.backend.engines.vllm_engine import engine_connector, vllm_python
 from tracerl.backend.local import freeze_long_lived_objects
-from tracerl.backend.recorder import CallStore, inject_training_fields
+from tracerl.backend.gateway.recorder import CallStore, inject_training_fields
 
 Post = Callable[[str, dict, dict], Awaitable[dict]]
 

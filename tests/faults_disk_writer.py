@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import tracerl
-from tracerl.backend.recorder import CallStore
+from tracerl.backend.gateway.recorder import CallStore
 from tracerl.core.errors import TracerlError
 from tracerl.core.storage import ModelStore, atomic_directory
 from tracerl.core.trajectory import LLMCall, write_groups_jsonl

@@ -356,6 +356,6 @@ def test_one_call_enters_each_module_of_its_path_at_most_twice(plugin_site, tmp_
         "SwapLock.release_read", "PassThrough.answer", "CallRecording.finish",
         "Exchange.recorded"]
     stream = collections.Counter(module for module, _ in paths["stream"])
-    per_chunk = {"tracerl.backend.protocols.openai", "tracerl.backend.replies"}
+    per_chunk = {"tracerl.backend.protocols.openai", "tracerl.backend.protocols.replies"}
     assert all(n <= 2 for m, n in stream.items() if m not in per_chunk), paths["stream"]
     assert all(stream[m] == 3 for m in per_chunk), paths["stream"]

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 import pytest
 import uvicorn
 
-from tracerl.backend.http_limits import LINGER_S, uvicorn_options
+from tracerl.backend.gateway.http_limits import LINGER_S, uvicorn_options
 
 HEAD_TIMEOUT_S = 1.0
 WRITE_TIMEOUT_S = 1.0

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from tracerl.backend.engines.tool_parsers import parse_hermes
-from tracerl.backend.recorder import (
+from tracerl.backend.gateway.recorder import (
     StreamAssembler,
     build_call,
     caller_wants_logprobs,

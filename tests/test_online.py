@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 import tracerl
-from tracerl.backend.live_calls import LiveCalls, _ModelLive, events_path
-from tracerl.backend.online import OnlineLoop, online_config
+from tracerl.backend.online.live_calls import LiveCalls, _ModelLive, events_path
+from tracerl.backend.online.loop import OnlineLoop, online_config
 from tracerl.core.errors import ConfigError
 from tracerl.core.storage import read_jsonl
 

@@ -8,7 +8,7 @@ import pytest
 
 import tracerl
 from tests.conftest import until
-from tracerl.backend.gateway import ServedModel
+from tracerl.backend.gateway.app import ServedModel
 
 
 @pytest.fixture

@@ -45,7 +45,7 @@ from .training.sft import sft_step
 from .training.step import train_step
 
 if TYPE_CHECKING:
-    from .served import ServedModel
+    from .gateway.served import ServedModel
     from .training.adapters import SharedBase
     from .training.distributed import DistributedPolicy
     from .training.trainer import Trainer
@@ -92,7 +92,7 @@ class _GatewayThread:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = host, self.sock.getsockname()[1]
-        from .http_limits import uvicorn_options
+        from .gateway.http_limits import uvicorn_options
 
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                 **uvicorn_options(api_key))
@@ -200,7 +200,7 @@ class LocalBackend(Backend):
                  placement: dict[str, Any] | None = None,
                  trainer: DistributedTrainerConfig | None = None,
                  resident_policies: int = 2) -> None:
-        from .gateway import Gateway
+        from .gateway.app import Gateway
 
         del in_process
         if resident_policies < 1:
@@ -394,7 +394,7 @@ class LocalBackend(Backend):
     # --- Backend API -----------------------------------------------------------------------
 
     async def register(self, model: ModelLike) -> InferenceEndpoint:
-        from .served import ServedModel
+        from .gateway.served import ServedModel
         from .weights import resolve_base_model
 
         model = self._placed(model)
@@ -421,7 +421,7 @@ class LocalBackend(Backend):
         route = self.gateway.models[model.key]
         step = store.latest_step()
         if ReleaseLog(store.root).exists():  # release control: the committed incumbent
-            from .release import attach
+            from .online.release import attach
 
             await self._gateway().call(attach(route))
         elif step > 0 and route.step != step:
@@ -432,7 +432,7 @@ class LocalBackend(Backend):
 
     def inference_name(self, model: ModelLike) -> str:
         """The model name callers send for registered ``model``: ``project/name`` (see
-        :meth:`~tracerl.backend.served.ModelTable.model_id`)."""
+        :meth:`~tracerl.backend.gateway.served.ModelTable.model_id`)."""
         return self.gateway.model_id(self.gateway.models[spec_of(model).key])
 
     async def serve_step(self, model: ModelLike, step: int) -> None:
@@ -461,7 +461,7 @@ class LocalBackend(Backend):
         return self.gateway.calls.take(self.store(model), rollout_id)
 
     async def fetch_spans(self, model: ModelLike, rollout_id: str) -> list[Span]:
-        from .external_rollouts import read_spans, spans_path
+        from .gateway.rollout_api import read_spans, spans_path
 
         store = self.store(model)
         if not spans_path(store, rollout_id).exists():  # most rollouts: no thread hop
@@ -470,7 +470,7 @@ class LocalBackend(Backend):
 
     async def take_external_groups(self, model: ModelLike, n_groups: int, request_id: str
                                    ) -> list[TrajectoryGroup]:
-        from .external_rollouts import build_groups
+        from .gateway.rollout_api import build_groups
 
         store = self.store(model)
         taken = await asyncio.to_thread(self.gateway.rollouts.take, store, n_groups, request_id)

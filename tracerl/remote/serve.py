@@ -62,14 +62,14 @@ def serve(*, host: str, port: int, path: str, api_key: str | None, engine: str |
     :class:`~tracerl.core.config.EngineConfig`.
 
     ``online``: the ``project/name`` of models to run in online mode
-    (:mod:`tracerl.backend.online`), each with ``online_config`` (a JSON object)."""
+    (:mod:`tracerl.backend.online.loop`), each with ``online_config`` (a JSON object)."""
     if not is_loopback(host) and not api_key:
         raise ConfigError(f"serving on {host} needs an API key (set TRACERL_API_KEY); "
                           "without one, only loopback (127.0.0.1) is allowed")
     if not is_loopback(host):
         log.warning("listening on %s over plain HTTP; put a TLS-terminating proxy in front of it "
                     "so the API key and trajectories are encrypted", host)
-    from ..backend.online import online_config as parse_online_config
+    from ..backend.online.loop import online_config as parse_online_config
 
     config = parse_online_config(online_config)  # a bad one: refused before anything starts
     for key in online:

@@ -17,8 +17,8 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..backend.chat_template import builtin_templates
-from ..backend.http_answers import KeyCheck, KeyRequired, error_response
-from ..backend.request_body import parse_json_object, read_limited_body
+from ..backend.gateway.http_answers import KeyCheck, KeyRequired, error_response
+from ..backend.gateway.request_body import parse_json_object, read_limited_body
 from ..backend.weights import SMOLLM2_ALIASES
 from ..core.config import ModelConfig, TrainConfig
 from ..core.errors import (
@@ -36,7 +36,7 @@ from .wire import API_PREFIX, NDJSON, decode_groups
 
 if TYPE_CHECKING:
     from ..backend.local import LocalBackend
-    from ..backend.online import OnlineConfig, OnlineLoop
+    from ..backend.online.loop import OnlineConfig, OnlineLoop
 
 SMALL_BODY_BYTES = 1024 * 1024
 MAX_STEP = 2**63 - 1  # a step is a file's name and an int64 elsewhere (TensorBoard, W&B)
@@ -135,7 +135,7 @@ class ControlServer:
     async def run_online(self, key: str, config: OnlineConfig, stop: asyncio.Event) -> None:
         """Online mode for model ``key`` (``project/name``), from when it is registered until
         ``stop`` is set (on the gateway's loop)."""
-        from ..backend.online import OnlineLoop
+        from ..backend.online.loop import OnlineLoop
 
         while key not in self.models:
             try:
@@ -281,7 +281,7 @@ class ControlServer:
                                request: Request) -> dict[str, Any]:
             """Promote (``{"step": N}``) or roll back (``{"to": N}``) the model's incumbent:
             effective for the next call on every replica; calls in flight finish."""
-            from ..backend.release import move_incumbent
+            from ..backend.online.release import move_incumbent
 
             model, body = self.model(project, name), await self._json(request)
             key = {"promote": "step", "rollback": "to"}.get(action)

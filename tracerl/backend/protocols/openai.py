@@ -1,14 +1,14 @@
 """OpenAI's chat completions (``/v1/chat/completions``) and completions (``/v1/completions``):
 the engine's own request shapes, passed through; what the gateway injects for training
 (logprobs, token ids) is removed again from the answer unless the caller asked for it
-(:func:`~tracerl.backend.replies.strip_for_caller`)."""
+(:func:`~tracerl.backend.protocols.replies.strip_for_caller`)."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from ..replies import caller_wants_logprobs, strip_for_caller
+from .replies import caller_wants_logprobs, strip_for_caller
 from .base import Endpoint, Exchange, Protocol
 
 DONE = b"data: [DONE]\n\n"

@@ -120,7 +120,7 @@ def unattributed_calls(store: ModelStore) -> dict[str, float]:
 def late_calls(store: ModelStore) -> dict[str, float]:
     """Calls that arrived for a rollout-API rollout after it was finished (recorded apart),
     since the previous training step."""
-    from ..external_rollouts import late_calls_path  # (loads the web framework: not at import)
+    from ..gateway.rollout_api import late_calls_path  # (loads the web framework: not at import)
 
     return _since_last_step(store, late_calls_path(store), "late_calls")
 
@@ -139,7 +139,7 @@ def orphan_calls(store: ModelStore, groups: Iterable[TrajectoryGroup]) -> dict[s
     far holds it, and it is no rollout-API rollout waiting to be handed out) is counted once,
     with all its calls. A client that sends made-up ``x-rollout-id`` values, or rollouts
     whose groups were dropped, show up here."""
-    from ..external_rollouts import pending_rollout_ids
+    from ..gateway.rollout_api import pending_rollout_ids
 
     calls_dir = store.root / "calls"
     claim_rollouts(store, groups)

@@ -20,9 +20,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..core.engine import CallRoute, EngineError, EngineRequestError, current_route
-from ..core.errors import RequestError, TracerlError
-from .external_rollouts import ExternalRollouts
+from ...core.engine import CallRoute, EngineError, EngineRequestError, current_route
+from ...core.errors import RequestError, TracerlError
+from .rollout_api import ExternalRollouts
 from .http_answers import (
     KeyRequired,
     bearer_key_check,
@@ -30,9 +30,9 @@ from .http_answers import (
     install_error_answers,
     openai_error,
 )
-from .live_calls import LiveCalls, live_rollout_id
-from .protocols.base import Protocol
-from .protocols.registry import load_protocols
+from ..online.live_calls import LiveCalls, live_rollout_id
+from ..protocols.base import Protocol
+from ..protocols.registry import load_protocols
 from .recorder import CallStore, Recorder
 from .request_body import read_json_body
 from .request_validation import Attribution, attribution, check_request, parse_tags

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-from ..core.engine import EngineTimeoutError
+from ...core.engine import EngineTimeoutError
 
 
 class SwapLock:

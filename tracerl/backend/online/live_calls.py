@@ -46,20 +46,20 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from ..core.errors import (
+from ...core.errors import (
     ConfigError,
     FeedbackClosedError,
     RequestError,
     ResponseNotFoundError,
     TracerlError,
 )
-from ..core.storage import ModelStore, append_jsonl, read_jsonl, validate_name
-from ..core.trajectory import LLMCall
-from .external_rollouts import ExternalRollout, invalid
-from .request_body import parse_json_object, read_limited_body
+from ...core.storage import ModelStore, append_jsonl, read_jsonl, validate_name
+from ...core.trajectory import LLMCall
+from ..gateway.rollout_api import ExternalRollout, invalid
+from ..gateway.request_body import parse_json_object, read_limited_body
 
 if TYPE_CHECKING:
-    from .served import ModelTable
+    from ..gateway.served import ModelTable
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from typing import Any
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
-from ..core import settings, strict_json
-from ..core.errors import BadBodyEncodingError, BodyTimeoutError, BodyTooLargeError, RequestError
+from ...core import settings, strict_json
+from ...core.errors import BadBodyEncodingError, BodyTimeoutError, BodyTooLargeError, RequestError
 
 BODY_TIMEOUT_S = settings.TRACERL_BODY_TIMEOUT_S.default
 

@@ -29,20 +29,20 @@ import time
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
-from ..core import settings
-from ..core.config import OnlineConfig
-from ..core.errors import ConfigError
-from ..core.model_spec import ModelSpec, spec_of
-from ..core.release_log import ReleaseState
-from ..events.lifecycle import online_batch, train_event
-from .external_rollouts import build_groups
+from ...core import settings
+from ...core.config import OnlineConfig
+from ...core.errors import ConfigError
+from ...core.model_spec import ModelSpec, spec_of
+from ...core.release_log import ReleaseState
+from ...events.lifecycle import online_batch, train_event
+from ..gateway.rollout_api import build_groups
 from .release import ReleaseControl
-from .release_gates import Gates, Verdict
+from .gates import Gates, Verdict
 
 if TYPE_CHECKING:
-    from ..core.storage import ModelStore
+    from ...core.storage import ModelStore
     from .live_calls import LiveCalls
-    from .local import LocalBackend
+    from ..local import LocalBackend
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ on a fresh connection, so an idle connection, or one that sends its headers a by
 holds a slot forever (thousands of them turn every call into 503 at ``limit_concurrency``).
 :class:`BoundedH11Protocol` closes a connection whose request head has not arrived whole within
 ``HEAD_TIMEOUT_S`` of the connection opening or of the previous response ending. Bodies have their
-own deadline (:func:`~tracerl.backend.request_body.read_limited_body`); headers are limited in
+own deadline (:func:`~tracerl.backend.gateway.request_body.read_limited_body`); headers are limited in
 size by h11 (``h11_max_incomplete_event_size``).
 
 A response that a client stops reading fills the socket's buffers, and uvicorn then waits for
@@ -42,7 +42,7 @@ from uvicorn._types import ASGIReceiveCallable, ASGISendCallable, Scope
 from uvicorn.protocols.http.flow_control import service_unavailable
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ..core import settings
+from ...core import settings
 
 HEAD_TIMEOUT_S = settings.TRACERL_HEAD_TIMEOUT_S.default
 WRITE_TIMEOUT_S = settings.TRACERL_WRITE_TIMEOUT_S.default

@@ -37,17 +37,17 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from ..core import settings
-from ..core.errors import (
+from ...core import settings
+from ...core.errors import (
     ConfigError,
     RequestError,
     RolloutFinishedError,
     RolloutNotFoundError,
     TracerlError,
 )
-from ..core.spans import Span, awaited_span_ids, link_spans_to_calls
-from ..core.storage import ModelStore, append_jsonl, read_jsonl, validate_name
-from ..core.trajectory import (
+from ...core.spans import Span, awaited_span_ids, link_spans_to_calls
+from ...core.storage import ModelStore, append_jsonl, read_jsonl, validate_name
+from ...core.trajectory import (
     LLMCall,
     RolloutException,
     Trajectory,

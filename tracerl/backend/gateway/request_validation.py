@@ -15,11 +15,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..core import strict_json
-from ..core.context import MAX_TAGS_BYTES, ROLLOUT_HEADER, TAGS_HEADER
-from ..core.engine import EngineRequestError
-from ..core.errors import ConfigError, RequestError
-from ..core.storage import validate_name
+from ...core import strict_json
+from ...core.context import MAX_TAGS_BYTES, ROLLOUT_HEADER, TAGS_HEADER
+from ...core.engine import EngineRequestError
+from ...core.errors import ConfigError, RequestError
+from ...core.storage import validate_name
 
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20

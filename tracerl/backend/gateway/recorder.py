@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.engine import CallRoute
-from ..core.storage import ModelStore, append_jsonl, read_jsonl
-from ..core.trajectory import CompletionRecord, LLMCall
-from ..events.lifecycle import llm_call_recorded
-from .protocols.base import Endpoint, Exchange
-from .replies import (
+from ...core.engine import CallRoute
+from ...core.storage import ModelStore, append_jsonl, read_jsonl
+from ...core.trajectory import CompletionRecord, LLMCall
+from ...events.lifecycle import llm_call_recorded
+from ..protocols.base import Endpoint, Exchange
+from ..protocols.replies import (
     SAMPLED_LOGPROBS,
     StreamAssembler,
     caller_wants_logprobs,

@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.engine import Engine, EngineRequestError
-from ..core.storage import ModelStore
-from ..core.watchdog import watch
+from ...core.engine import Engine, EngineRequestError
+from ...core.storage import ModelStore
+from ...core.watchdog import watch
 from .swap_lock import SwapLock
 
 if TYPE_CHECKING:
-    from .release import ReleaseRouting
+    from ..online.release import ReleaseRouting
 
 MAX_PINNED_ROLLOUTS = 65536  # rollouts whose policy version is remembered (oldest forgotten)
 

@@ -18,11 +18,11 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..core.engine import EngineError, EngineUnavailableError
-from ..core.errors import TracerlError
+from ...core.engine import EngineError, EngineUnavailableError
+from ...core.errors import TracerlError
 from .http_answers import error_response
 from .recorder import CallRecording
-from .replies import StreamAssembler
+from ..protocols.replies import StreamAssembler
 from .served import ServedModel
 from .supervisor import EngineSupervisor
 

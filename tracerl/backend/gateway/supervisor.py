@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from ..core.engine import (
+from ...core.engine import (
     Engine,
     EngineError,
     EngineRequestError,
