@@ -32,6 +32,8 @@ COMPAT_ALIASES = {
     "tracerl.core.hookspecs": "tracerl.events.hookspecs",
     "tracerl.core.plugins": "tracerl.events.plugins",
     "tracerl.core.lifecycle": "tracerl.events.lifecycle",
+    "tracerl.backend.release": "tracerl.backend.online.release",
+    "tracerl.backend.release_gates": "tracerl.backend.online.gates",
 }
 
 
@@ -129,6 +131,57 @@ def find_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
         if start not in state:
             visit(start, [start])
     return cycles
+
+
+# backend's rooms -> the rooms each may import (besides itself). A module directly in backend/
+# is a shared leaf when listed here, else part of the facade on top (``local.py`` and the
+# modules it is made of); compat aliases are exempt.
+BACKEND_LEAVES = {"chat_template", "weights", "publishing", "object_sync"}
+BACKEND_ALLOWED = {
+    "leaf": set(),
+    "protocols": {"leaf"},
+    "engines": {"leaf"},
+    "training": {"leaf"},
+    "launchers": {"leaf", "training"},
+    "gateway": {"leaf", "protocols", "engines"},
+    "online": {"leaf", "gateway", "training"},
+    "facade": {"leaf", "protocols", "engines", "training", "launchers", "gateway", "online"},
+}
+
+
+def backend_room(module: str) -> str | None:
+    """The room of a ``tracerl.backend`` module (None: not in backend, or the package itself)."""
+    parts = module.split(".")
+    if parts[:2] != ["tracerl", "backend"] or len(parts) < 3:
+        return None
+    if len(parts) > 3 or parts[2] in BACKEND_ALLOWED:
+        return parts[2] if parts[2] in BACKEND_ALLOWED else None
+    return "leaf" if parts[2] in BACKEND_LEAVES else "facade"
+
+
+def backend_graph() -> dict[str, set[str]]:
+    """backend's modules and the backend modules each imports, ``TYPE_CHECKING`` and
+    function-level imports included (compat aliases left out)."""
+    return {m: {t for t in ts if backend_room(t) and t not in COMPAT_ALIASES}
+            for m, ts in graph().items() if backend_room(m) and m not in COMPAT_ALIASES}
+
+
+def test_every_backend_package_is_a_room() -> None:
+    packages = {m.split(".")[2] for m in modules()
+                if m.startswith("tracerl.backend.") and m.count(".") >= 3}
+    assert packages <= set(BACKEND_ALLOWED)
+
+
+def test_no_backend_room_imports_a_room_above_it() -> None:
+    """Even an import for type checkers or inside a function: the rooms read bottom up."""
+    wrong = [f"{m} -> {t}" for m, ts in backend_graph().items() for t in ts
+             if backend_room(t) != backend_room(m)
+             and backend_room(t) not in BACKEND_ALLOWED[backend_room(m) or ""]]
+    assert wrong == []
+
+
+def test_backend_has_no_cycle_even_through_type_checking_or_lazy_imports() -> None:
+    assert find_cycles(backend_graph()) == []
 
 
 def test_import_graph_has_no_cycle() -> None:
@@ -231,6 +284,11 @@ PUBLIC_NAMES = {
     "tracerl.core.plugins": "get_plugin_manager hook_reference list_plugins register",
     "tracerl.core.lifecycle": "llm_call_recorded rollout_started score_group step_logged "
                               "train_event trajectory_finished",
+    # the backend's documented modules, from before its rooms (docs/online.md)
+    "tracerl.backend.online": "OnlineLoop",
+    "tracerl.backend.release": "ReleaseControl",
+    "tracerl.backend.release_gates": "Gates",
+    "tracerl.backend.local": "LocalBackend",
 }
 
 
