@@ -241,7 +241,7 @@ class OnlineConfig(_Strict):
     train: TrainConfig = Field(default_factory=lambda: TrainConfig(learning_rate=1e-4),
                                description="each online step's TrainConfig (learning rate ...)")
     gates: dict[str, float | list[float]] = Field(default_factory=dict, description="Gates fields "
-                                  "(release_gates.py): min_samples, margin, z, ...")
+                                  "(online/gates.py): min_samples, margin, z, ...")
     poll_s: float = Field(1.0, gt=0, description="seconds between two ticks")
     reward_ttl_s: float | None = Field(None, gt=0, description="seconds a live call "
                                        "may wait; default: TRACERL_ONLINE_REWARD_TTL_S")
