@@ -157,7 +157,7 @@ def gateway_variant(kind: str) -> Iterator[None]:
         with mock.patch("asyncio.new_event_loop", uvloop.new_event_loop):
             yield
     elif kind == "httptools":
-        from tracerl.backend import http_limits
+        from tracerl.backend.gateway import http_limits
 
         options = http_limits.uvicorn_options
         with mock.patch.object(http_limits, "uvicorn_options",
