@@ -19,7 +19,7 @@ import pytest
 from pydantic import BaseModel
 
 from tracerl import config_reference
-from tracerl.backend import http_limits
+from tracerl.backend.gateway import http_limits
 from tracerl.core import config, settings, watchdog
 from tracerl.core.errors import ConfigError
 
