@@ -88,7 +88,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     import asyncio
     from pathlib import Path
 
-    from .tasks.compare import eval_steps, table
+    from .tasks.evaluation import eval_steps, table
 
     results = asyncio.run(eval_steps(
         Path(args.model_dir), args.task, args.steps, n=args.n, samples=args.samples,

@@ -6,7 +6,7 @@ catalog sits on top, using the public API as a user does.
   library's scorer) and :func:`split_of`.
 - ``catalog.py``: the tasks by name (:func:`get_task`, :data:`TASK_NAMES`).
 - ``runner.py``: :func:`evaluate` (held-out, logged as ``val``) and :func:`train_task`.
-- ``compare.py``: ``tracerl eval`` (the held-out split at chosen steps, each step served).
+- ``evaluation.py``: ``tracerl eval`` (the held-out split at chosen steps, each step served).
 - one module per task: ``tool_products.py`` (reasoning-gym, LangGraph),
   ``game_guess_number.py`` (textarena, OpenAI Agents SDK), ``node_chain_sum.py``
   (reasoning-gym, a Node agent through the rollout API), ``art_tic_tac_toe.py`` (ART's
