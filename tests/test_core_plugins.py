@@ -14,6 +14,7 @@ import pytest
 import tracerl
 from tracerl.events import hookspecs, plugins
 from tracerl.events.lifecycle import score_group
+from tracerl.tasks import base as tasks_base
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -300,6 +301,101 @@ def test_a_third_party_protocol_and_engine_are_served_and_recorded(plugin_site, 
     assert streamed_call["streamed"] and streamed_call["completions"][0]["token_ids"] == list(
         b"cba")
     assert chat_call["completions"][0]["text"] == "yx" and "protocol" not in chat_call["metadata"]
+
+
+def test_a_third_party_task_joins_the_catalog_and_plays(plugin_site, tmp_path):
+    """The example plugin's task (its ``tracerl_tasks``, an entry point loaded by pluggy) is in
+    the catalog beside tracerl's own and is evaluated on the plugin's echo engine, which
+    answers every item right."""
+    out = run_py(f"""
+        import asyncio, json, tracerl
+        from tracerl.tasks import TASK_NAMES, evaluate, get_task, task_names
+
+        async def main():
+            task = get_task("example-reverse")
+            backend = tracerl.LocalBackend(path={str(tmp_path)!r}, engine="echo")
+            model = tracerl.TrainableModel(name="m", project="p", base_model="smollm2",
+                                           config=task.model_config())
+            await model.register(backend)
+            summary = await evaluate(task, model, n=3, log_to_model=False)
+            await backend.close()
+            print(json.dumps({{"names": task_names(), "builtin": TASK_NAMES,
+                              "success": summary["metrics/success"]}}))
+
+        asyncio.run(main())
+    """, plugin_site)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["names"] == sorted([*got["builtin"], "example-reverse"])
+    assert "tool-products" in got["builtin"] and got["success"] == 1.0
+
+
+def test_tracerl_eval_finds_a_third_party_task(plugin_site, tmp_path):
+    """``tracerl eval --task`` takes the plugin's task (the command goes on to the model
+    folder, which is not one) and lists it among the catalog for an unknown name."""
+    found = run_cli("eval", str(tmp_path), "--task", "example-reverse", site=plugin_site)
+    assert found.returncode == 2 and "is not a model folder" in found.stderr, found.stderr
+    unknown = run_cli("eval", str(tmp_path), "--task", "nosuch", site=plugin_site)
+    assert unknown.returncode == 2
+    assert "unknown task 'nosuch'" in unknown.stderr and "example-reverse" in unknown.stderr
+
+
+@pytest.fixture
+def runtime_tasks():
+    """Register a plugin giving ``tasks`` (a dict) at run time; unregistered afterwards."""
+    names = []
+
+    def register(tasks, name):
+        class Tasks:
+            @tracerl.hookimpl
+            def tracerl_tasks(self):
+                return tasks
+
+        names.append(plugins.register(Tasks(), name=name))
+
+    yield register
+    for name in names:
+        plugins.get_plugin_manager().unregister(name=name)
+
+
+def test_a_task_name_two_plugins_give_is_refused_naming_both(runtime_tasks):
+    from tracerl.tasks import get_task
+
+    runtime_tasks({"tool-products": "my_tasks:TASK"}, "clashing-tasks")
+    with pytest.raises(tracerl.PluginError, match=r"task 'tool-products': 'clashing-tasks' "
+                       r"\(my_tasks:TASK\) and 'tasks' \(tracerl\.tasks\.tool_products:TASK\)"):
+        get_task("game-guess-number")
+
+
+def test_a_malformed_task_table_is_refused_naming_its_plugin(runtime_tasks):
+    from tracerl.tasks import task_names
+
+    runtime_tasks(["my-task"], "listed-tasks")
+    with pytest.raises(tracerl.PluginError, match=r"'listed-tasks'.*not a dict"):
+        task_names()
+
+
+async def never_played(model, item, **options):
+    raise AssertionError("get_task refuses the task before it is played")
+
+
+NEEDY_TASK = tasks_base.Task(
+    name="needy", summary="needs a library nobody has", source="tests", framework="none",
+    draw=lambda seed, n: [], rollout=never_played, model_config=tasks_base.lora_config_for(256),
+    requires=("json", "no_such_library_xyz"), install="pip install needy-extra")
+
+
+def test_a_task_missing_a_library_says_what_to_install(runtime_tasks):
+    from tracerl.core.errors import ConfigError
+    from tracerl.tasks import get_task
+
+    runtime_tasks({"needy": f"{__name__}:NEEDY_TASK", "not-a-task": f"{__name__}:SPECS"},
+                  "needy-tasks")
+    with pytest.raises(ConfigError, match=r"^task needy needs no_such_library_xyz: "
+                       r"pip install needy-extra$"):
+        get_task("needy")
+    with pytest.raises(ConfigError, match=rf"{__name__}\.SPECS is not a tracerl\.tasks\.Task"):
+        get_task("not-a-task")
 
 
 CALL_PATH = """

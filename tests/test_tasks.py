@@ -15,7 +15,7 @@ from tracerl.core.errors import ConfigError
 from tracerl.core.storage import read_jsonl
 from tracerl.report import build_comparison, seed_bands
 from tracerl.tasks import TASK_NAMES, get_task, split_of
-from tracerl.tasks.compare import parse_steps, table
+from tracerl.tasks.evaluation import parse_steps, table
 
 pytest.importorskip("reasoning_gym")
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from .core.config import TrainConfig
 from .tasks.catalog import get_task
-from .tasks.compare import table
+from .tasks.evaluation import table
 from .tasks.runner import train_task
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ import logging
 import signal
 import sys
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from .core import settings
 from .core.config import DistributedTrainerConfig
@@ -88,7 +88,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     import asyncio
     from pathlib import Path
 
-    from .tasks.compare import eval_steps, table
+    from .tasks.evaluation import eval_steps, table
 
     results = asyncio.run(eval_steps(
         Path(args.model_dir), args.task, args.steps, n=args.n, samples=args.samples,
@@ -253,25 +253,20 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tracerl", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("plugins", help="list loaded plugins, engines and backends")
+def _args_plugins(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="show each plugin's hooks")
-    p.set_defaults(func=_cmd_plugins)
 
-    p = sub.add_parser(
-        "hooks", help="the plugin API: every hook, its arguments and who implements it"
-    )
-    p.set_defaults(func=_cmd_hooks)
 
-    p = sub.add_parser("prepare-model", help="resolve/convert a base model and print its folder")
+def _args_none(p: argparse.ArgumentParser) -> None:
+    """A sub-command without arguments."""
+
+
+def _args_prepare_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("base_model", nargs="?", default="smollm2",
                    help="a model folder (with config.json) or smollm2, the embedded default")
-    p.set_defaults(func=_cmd_prepare_model)
 
-    p = sub.add_parser("report", help="write an HTML report (curves, best/worst trajectories)")
+
+def _args_report(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", nargs="+",
                    help="e.g. .tracerl/PROJECT/models/NAME; several (seeds of one setup): one "
                    "report of their train and held-out curves with the spread")
@@ -285,9 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve a live trajectory viewer instead (updates while the run trains)")
     p.add_argument("--host", default="127.0.0.1", help="--serve: bind address (loopback)")
     p.add_argument("--port", type=int, default=8765, help="--serve: port (0 picks a free one)")
-    p.set_defaults(func=_cmd_report)
 
-    p = sub.add_parser("eval", help="evaluate a model's steps on a task's held-out split")
+
+def _args_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", help="the model's folder, e.g. .tracerl/PROJECT/models/NAME")
     p.add_argument("--task", required=True, help="a task of the catalog (tracerl.tasks)")
     p.add_argument("--steps", default="base,latest",
@@ -299,9 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", default="transformers", help="transformers (default), vllm, auto")
     p.add_argument("--no-log", action="store_true",
                    help="do not append the results to the model's history as val")
-    p.set_defaults(func=_cmd_eval)
 
-    p = sub.add_parser("doctor", help="check the environment, a live model and a run's folder")
+
+def _args_doctor(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", default=None, metavar="MODEL_DIR",
                    help="check a run's folder (every step-health item over its history)")
     p.add_argument("--live", action="store_true",
@@ -311,9 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", default="transformers", help="--live: transformers or vllm")
     p.add_argument("--path", default=".tracerl", help="where runs live (for the disk check)")
     p.add_argument("--json", action="store_true", help="print the findings as JSON (for CI)")
-    p.set_defaults(func=_cmd_doctor)
 
-    p = sub.add_parser("demo", help="train SmolLM2-135M with GRPO on CPU on a verifiable task")
+
+def _args_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None, help="training steps (default 8)")
     p.add_argument("--engine", default="auto", help="auto, vllm or transformers")
     p.add_argument("--group-size", type=int, default=None,
@@ -326,11 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="numbers (default): repeat a number; agent: a LangGraph tool agent on "
                    "reasoning-gym multiplications (pip install 'tracerl[tasks]')")
     _add_trainer_args(p)
-    p.set_defaults(func=_cmd_demo)
 
-    p = sub.add_parser(
-        "serve", help="serve the backend (gateway + trainer) for RemoteBackend clients"
-    )
+
+def _args_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--host", default="127.0.0.1", help="bind address; anything but loopback needs an API key"
     )
@@ -358,6 +351,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="let clients pass vLLM flags (EngineConfig.extra_args); they can name server paths",
     )
+    _add_online_args(p)
+    _add_replica_args(p)
+
+
+def _add_online_args(p: argparse.ArgumentParser) -> None:
+    """``tracerl serve``'s online-mode options."""
     o = p.add_argument_group("online mode (docs/online.md): learn from live traffic")
     o.add_argument("--online", action="append", default=[], metavar="PROJECT/NAME",
                    help="train this model on its live calls and their feedback, releasing each "
@@ -367,6 +366,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="OnlineConfig as a JSON object (group_size, groups_per_step, "
                         "canary_share, evaluate_every, train, gates, poll_s, reward_ttl_s, "
                         "max_pending, rollout_api)")
+
+
+def _add_replica_args(p: argparse.ArgumentParser) -> None:
+    """``tracerl serve``'s replica options."""
     g = p.add_argument_group("replicas (where inference runs, for every model; clients' "
                              "own replica settings are replaced by these)")
     g.add_argument("--replicas", type=int, default=None,
@@ -382,29 +385,35 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where adapters are published as policy@N (e.g. /dev/shm/tracerl)")
     g.add_argument("--publish-mount", default=None,
                    help="where the servers see an fsspec --publish-dir (s3://...) mounted")
-    p.set_defaults(func=_cmd_serve)
 
-    for action in ("promote", "rollback"):
-        p = sub.add_parser(action, help="make version N the model's incumbent (release control)"
-                           if action == "promote" else "serve an earlier version N again")
-        p.add_argument("model", metavar="MODEL", help="PROJECT/NAME")
-        if action == "promote":
-            p.add_argument("step", type=int, metavar="N", help="the checkpoint step to serve")
-        else:
-            p.add_argument("--to", type=int, required=True, metavar="N",
-                           help="the checkpoint step to serve (0: the base model)")
-        p.add_argument("--server", default="http://127.0.0.1:8000",
-                       help="the running `tracerl serve` (default http://127.0.0.1:8000)")
-        p.add_argument("--api-key-env", default="TRACERL_API_KEY",
-                       help="environment variable holding the server's API key")
-        p.add_argument("--path", default=None,
-                       help="no server: write the model folder's release log under this "
-                            "base path instead (read when the server next starts)")
-        p.add_argument("--timeout", type=float, default=600.0,
-                       help="seconds to wait for the server (loading the version included)")
-        p.set_defaults(func=_cmd_release)
 
-    p = sub.add_parser("proxy", help="run a LiteLLM proxy in front of a tracerl gateway")
+def _args_promote(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL", help="PROJECT/NAME")
+    p.add_argument("step", type=int, metavar="N", help="the checkpoint step to serve")
+    _add_release_args(p)
+
+
+def _args_rollback(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL", help="PROJECT/NAME")
+    p.add_argument("--to", type=int, required=True, metavar="N",
+                   help="the checkpoint step to serve (0: the base model)")
+    _add_release_args(p)
+
+
+def _add_release_args(p: argparse.ArgumentParser) -> None:
+    """Where ``tracerl promote`` and ``tracerl rollback`` act: a server, or a folder."""
+    p.add_argument("--server", default="http://127.0.0.1:8000",
+                   help="the running `tracerl serve` (default http://127.0.0.1:8000)")
+    p.add_argument("--api-key-env", default="TRACERL_API_KEY",
+                   help="environment variable holding the server's API key")
+    p.add_argument("--path", default=None,
+                   help="no server: write the model folder's release log under this "
+                        "base path instead (read when the server next starts)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds to wait for the server (loading the version included)")
+
+
+def _args_proxy(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend-url", required=True, help="the gateway's OpenAI base URL (.../v1)")
     p.add_argument("--model", action="append", required=True, help="served model name (repeatable)")
     p.add_argument("--api-key", default="tracerl-local", help="the gateway's API key")
@@ -416,7 +425,47 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--master-key", default=None,
                    help="proxy master key (default: $LITELLM_MASTER_KEY, else the one kept in "
                         "--dir/master_key, made on first start)")
-    p.set_defaults(func=_cmd_proxy)
+
+
+class Command(NamedTuple):
+    """One sub-command: its line in ``tracerl --help``, what adds its arguments, what runs it."""
+
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+# every sub-command, in the order ``tracerl --help`` lists them
+COMMANDS: dict[str, Command] = {
+    "plugins": Command("list loaded plugins, engines and backends", _args_plugins, _cmd_plugins),
+    "hooks": Command("the plugin API: every hook, its arguments and who implements it",
+                     _args_none, _cmd_hooks),
+    "prepare-model": Command("resolve/convert a base model and print its folder",
+                             _args_prepare_model, _cmd_prepare_model),
+    "report": Command("write an HTML report (curves, best/worst trajectories)", _args_report,
+                      _cmd_report),
+    "eval": Command("evaluate a model's steps on a task's held-out split", _args_eval, _cmd_eval),
+    "doctor": Command("check the environment, a live model and a run's folder", _args_doctor,
+                      _cmd_doctor),
+    "demo": Command("train SmolLM2-135M with GRPO on CPU on a verifiable task", _args_demo,
+                    _cmd_demo),
+    "serve": Command("serve the backend (gateway + trainer) for RemoteBackend clients",
+                     _args_serve, _cmd_serve),
+    "promote": Command("make version N the model's incumbent (release control)", _args_promote,
+                       _cmd_release),
+    "rollback": Command("serve an earlier version N again", _args_rollback, _cmd_release),
+    "proxy": Command("run a LiteLLM proxy in front of a tracerl gateway", _args_proxy,
+                     _cmd_proxy),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tracerl", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, command in COMMANDS.items():
+        p = sub.add_parser(name, help=command.help)
+        command.add_arguments(p)
+        p.set_defaults(func=command.run)
     return parser
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
-import shutil
 from pathlib import Path
 
 from ..core import settings
@@ -94,6 +93,3 @@ def vocab_size(model_path: Path) -> int:
         raise ConfigError(f"{model_path}/config.json names no vocab_size")
     return size
 
-
-def remove_cached(name: str = SMOLLM2) -> None:
-    shutil.rmtree(cache_dir() / "models" / name, ignore_errors=True)

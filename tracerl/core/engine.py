@@ -99,6 +99,3 @@ class Engine(Pluggable):
 
     async def wake_up(self) -> None:
         """Undo :meth:`sleep`."""
-
-    def tokenizer_path(self) -> Path:
-        return self.spec.model_path

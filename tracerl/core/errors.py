@@ -237,11 +237,6 @@ def error_classes() -> dict[str, type[TracerlError]]:
     return table
 
 
-def status_of(exc: BaseException) -> int:
-    """The HTTP status an exception is answered with (500 for anything not ours)."""
-    return exc.status if isinstance(exc, TracerlError) else 500
-
-
 def code_of(exc: BaseException) -> str:
     """The wire code of an exception ('server_error' for anything not ours)."""
     return exc.code if isinstance(exc, TracerlError) else "server_error"

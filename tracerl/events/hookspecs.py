@@ -8,8 +8,8 @@ A plugin is a plain module (or object) with functions named like the hooks below
 
 or registered at run time with ``tracerl.events.plugins.register(plugin)``. An implementation
 may accept any subset of a hook's arguments, so older plugins keep working when arguments are
-added. Every hook is fired from :mod:`tracerl.events.lifecycle` (engines, backends and judges are
-looked up from :mod:`tracerl.events.plugins`).
+added. Every hook is fired from :mod:`tracerl.events.lifecycle` (engines, backends, launchers
+and tasks are looked up from :mod:`tracerl.events.plugins`).
 
 Versioning: :data:`HOOKSPEC_VERSION` is raised whenever a hook or a contract it hands out
 changes incompatibly. A plugin may declare ``TRACERL_PLUGIN_API = N``; tracerl refuses a plugin
@@ -133,6 +133,32 @@ def tracerl_protocols() -> list[type]:
         @tracerl.hookimpl
         def tracerl_protocols():
             return [MyProtocol]
+    """
+
+
+# --- the task catalog -------------------------------------------------------------------------
+
+@hookspec
+def tracerl_tasks() -> dict[str, str]:
+    """Return the tasks this plugin adds to the catalog (``tracerl.tasks``).
+
+    Arguments: none.
+
+    Returns: task name (what ``tracerl eval --task`` and ``tracerl.tasks.get_task`` take) ->
+    where its :class:`tracerl.tasks.Task` is, as ``"module:attribute"`` (``"module"`` alone:
+    its ``TASK``). The module is imported only when the task is asked for, so listing the
+    catalog imports no task. A name another plugin gives too is refused
+    (:class:`~tracerl.core.errors.PluginError` naming both plugins). tracerl's own tasks come
+    from the built-in plugin ``tasks`` (``tracerl/tasks/catalog.py``).
+
+    Called: each time the catalog is read (``get_task``, ``task_names``, ``tracerl eval``), on
+    the calling thread; return a constant, import nothing.
+
+    Example::
+
+        @tracerl.hookimpl
+        def tracerl_tasks():
+            return {"my-task": "my_package.my_task:TASK"}
     """
 
 

@@ -16,7 +16,7 @@ import importlib.metadata
 import inspect
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, overload
 
@@ -44,6 +44,7 @@ BUILTIN_PLUGINS = {
     "local_launcher": "tracerl.backend.launchers.local",
     "ray_launcher": "tracerl.backend.launchers.ray",
     "ruler": "tracerl.ruler.plugin",
+    "tasks": "tracerl.tasks.catalog",
 }
 # logger name (as in TRACERL_LOGGERS) -> "module:factory"; the factory makes the plugin object
 LOGGERS = {
@@ -249,3 +250,34 @@ def collect_classes(hook_name: str) -> dict[str, type]:
                                   f"{found[name].__module__} and {cls.__module__}")
             found[name] = cls
     return found
+
+
+def _results_by_plugin(hook_name: str) -> list[tuple[str, object]]:
+    """(plugin name, result) of each implementation of an argument-less hook, in the order
+    pluggy calls them, so that a clash can name the plugins."""
+    caller = getattr(get_plugin_manager().hook, hook_name)
+    return [(impl.plugin_name, impl.function()) for impl in reversed(caller.get_hookimpls())
+            if not (impl.wrapper or impl.hookwrapper)]
+
+
+def collect_tasks() -> dict[str, str]:
+    """The task catalog (``tracerl_tasks``): task name -> ``module:attribute`` of its Task. A
+    name two plugins give (for two different tasks) is a PluginError naming both."""
+    found: dict[str, tuple[str, str]] = {}  # name -> (plugin, reference)
+    for plugin, result in _results_by_plugin("tracerl_tasks"):
+        if result is None:
+            continue
+        if not isinstance(result, Mapping):
+            raise PluginError(f"plugin {plugin!r}: tracerl_tasks returned {result!r}, not a "
+                              "dict of task name -> 'module:attribute'")
+        for name, reference in result.items():
+            if not (isinstance(name, str) and name and isinstance(reference, str)
+                    and reference):
+                raise PluginError(f"plugin {plugin!r}: tracerl_tasks maps {name!r} to "
+                                  f"{reference!r}, not a task name to 'module:attribute'")
+            if name in found and found[name][1] != reference:
+                other, where = found[name]
+                raise PluginError(f"two plugins give task {name!r}: {other!r} ({where}) and "
+                                  f"{plugin!r} ({reference})")
+            found[name] = (plugin, reference)
+    return {name: reference for name, (_, reference) in found.items()}

@@ -22,7 +22,7 @@ import openai
 
 import tracerl as art
 
-from .base import Item, Task, lora_config_for
+from .base import TASKS_EXTRA, Item, Task, lora_config_for
 
 Symbol = Literal["x", "o"]
 
@@ -185,4 +185,5 @@ TASK = Task(name="art-tic-tac-toe",
             summary="ART's tic-tac-toe example (XML moves vs a random opponent), ART API",
             source="OpenPipe ART examples/tic_tac_toe (Apache-2.0)",
             framework="ART API (import tracerl as art), OpenAI client",
-            draw=draw, rollout=rollout, model_config=lora_config_for(1024))
+            draw=draw, rollout=rollout, model_config=lora_config_for(1024),
+            requires=("openai",), install=TASKS_EXTRA)

@@ -14,6 +14,7 @@ from ..core.trajectory import Trajectory
 Split = Literal["train", "test"]
 SPLITS: tuple[Split, ...] = ("train", "test")
 TEST_SHARE = 5  # one item in TEST_SHARE goes to the held-out split (by a hash of its content)
+TASKS_EXTRA = "pip install 'tracerl[tasks]'"  # what installs the libraries of tracerl's tasks
 
 
 def split_of(key: str) -> Split:
@@ -53,7 +54,9 @@ class Task:
     one split. ``rollout(model, item, temperature=..., step=...)`` plays one item with the
     task's agent and returns a trajectory whose ``metrics["success"]`` is the library's
     scorer's verdict (1.0 or 0.0) and whose reward is what training optimises. ``step`` pins
-    the served version (``None``: the newest; ``0``: the base model).
+    the served version (``None``: the newest; ``0``: the base model). ``requires`` names the
+    modules its agent and scorer import (their libraries imported only there), which
+    :func:`~tracerl.tasks.get_task` checks, saying ``install`` when one is missing.
     """
 
     name: str
@@ -66,6 +69,8 @@ class Task:
     group_size: int = 6  # rollouts per item in a training step
     items_per_step: int = 4
     learning_rate: float = 1e-3
+    requires: tuple[str, ...] = ()
+    install: str = ""
 
     def items(self, split: Split, n: int, seed: int = 0) -> list[Item]:
         """``n`` distinct items of ``split`` (the held-out split is ``test``)."""

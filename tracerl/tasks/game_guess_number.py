@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from ..core.trajectory import Trajectory
-from .base import Item, Task, lora_config_for
+from .base import TASKS_EXTRA, Item, Task, lora_config_for
 
 GAME = "GuessTheNumber-v0"
 INSTRUCTIONS = ("You play a guessing game. Answer with one new guess in square brackets, "
@@ -120,4 +120,5 @@ TASK = Task(name="game-guess-number",
             summary="textarena GuessTheNumber-v0 (1-20, ten guesses), OpenAI Agents SDK agent",
             source="textarena 0.7.4 `GuessTheNumber-v0` (MIT)",
             framework="OpenAI Agents SDK Agent + Runner",
-            draw=draw, rollout=rollout, model_config=lora_config_for(1024))
+            draw=draw, rollout=rollout, model_config=lora_config_for(1024),
+            requires=("textarena", "agents"), install=TASKS_EXTRA)

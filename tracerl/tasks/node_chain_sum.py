@@ -36,7 +36,7 @@ from typing import Any
 from ..core import settings
 from ..core.errors import ConfigError, ExternalAgentError
 from ..core.trajectory import Trajectory, TrajectoryGroup
-from .base import Item, Task, lora_config_for
+from .base import TASKS_EXTRA, Item, Task, lora_config_for
 
 log = logging.getLogger(__name__)
 AGENT = Path(__file__).with_name("node_agent.cjs")
@@ -190,4 +190,5 @@ TASK = Task(name="node-chain-sum",
             summary="reasoning-gym chain_sum answered by a Node agent through the rollout API",
             source="reasoning-gym 0.1.25 `chain_sum` (Apache-2.0)",
             framework="Node.js openai npm client, tracerl rollout API",
-            draw=draw, rollout=rollout, model_config=lora_config_for(512))
+            draw=draw, rollout=rollout, model_config=lora_config_for(512),
+            requires=("reasoning_gym",), install=TASKS_EXTRA)

@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from ..core.trajectory import Trajectory
-from .base import Item, Task, lora_config_for
+from .base import TASKS_EXTRA, Item, Task, lora_config_for
 
 SYSTEM = "You are a calculator. Use the multiply tool, then answer with its result only."
 DIFFICULTY = {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 3}
@@ -135,4 +135,5 @@ async def rollout(model: Any, item: Item, *, temperature: float = 1.0,
 TASK = Task(name="tool-products", summary="multiply two numbers with a tool (LangGraph agent)",
             source="reasoning-gym 0.1.25 `products`", framework="LangGraph create_agent",
             draw=draw, rollout=rollout, model_config=lora_config_for(
-                1024, chat_template="chatml-tools", tool_call_parser="hermes"))
+                1024, chat_template="chatml-tools", tool_call_parser="hermes"),
+            requires=("reasoning_gym", "langgraph", "langchain"), install=TASKS_EXTRA)

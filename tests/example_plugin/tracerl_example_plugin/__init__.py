@@ -1,5 +1,6 @@
 """A third-party plugin used by the tests: a length judge, a metrics recorder, an inference
-engine (echo_engine.py) and an API protocol (plain_protocol.py)."""
+engine (echo_engine.py), an API protocol (plain_protocol.py) and a catalog task
+(reverse_task.py)."""
 
 import tracerl
 
@@ -37,3 +38,8 @@ def tracerl_protocols():
     from .plain_protocol import Plain
 
     return [Plain]
+
+
+@tracerl.hookimpl
+def tracerl_tasks():
+    return {"example-reverse": "tracerl_example_plugin.reverse_task:TASK"}
