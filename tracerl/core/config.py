@@ -229,7 +229,7 @@ class DistributedTrainerConfig(_Strict):
 
 
 class OnlineConfig(_Strict):
-    """How online mode (``tracerl serve --online``, :mod:`tracerl.backend.online.loop`) forms batches
+    """How online mode (``tracerl serve --online``, :mod:`tracerl.backend.online`) forms batches
     of live calls and releases what it trains."""
 
     group_size: int = Field(4, ge=2, description="rewarded live calls of one task key per group")
