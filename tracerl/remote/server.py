@@ -11,9 +11,9 @@ import json
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from ..backend.chat_template import builtin_templates
@@ -167,6 +167,10 @@ def _control(request: Request) -> ControlServer:
     return control
 
 
+Control = Annotated[ControlServer, Depends(_control)]  # a route's server, as a dependency
+Rows = list[dict[str, Any]]
+
+
 async def _answer_error(request: Request, e: TracerlError) -> Response:
     return error_response(e)
 
@@ -176,32 +180,29 @@ async def _json(request: Request) -> dict[str, Any]:
 
 
 @router.get("/status")
-async def status(request: Request) -> dict[str, Any]:
-    control = _control(request)
+async def status(control: Control) -> dict[str, Any]:
     backend = control.backend
     return {"ready": control.ready, "training": control.queue.status(),
             "models": {k: await backend.get_step(m) for k, m in control.models.items()}}
 
 
 @router.post("/models")
-async def register(request: Request) -> dict[str, Any]:
-    control = _control(request)
+async def register(control: Control, request: Request) -> dict[str, Any]:
     model = await control.register(await _json(request))
     return {"model_name": control.backend.inference_name(model),
             "step": await control.backend.get_step(model), "gateway_path": "/v1"}
 
 
 @router.get(MODEL_PATH)
-async def get_model(project: str, name: str, request: Request) -> dict[str, Any]:
-    control = _control(request)
+async def get_model(project: str, name: str, control: Control) -> dict[str, Any]:
     model = control.model(project, name)
     return {"name": model.name, "project": model.project, "base_model": model.base_model,
             "step": await control.backend.get_step(model)}
 
 
 @router.post(MODEL_PATH + "/train")
-async def train(project: str, name: str, request: Request) -> StreamingResponse:
-    control = _control(request)
+async def train(project: str, name: str, control: Control, request: Request
+                ) -> StreamingResponse:
     model = control.model(project, name)
     params, groups = decode_groups(await read_limited_body(request, control.max_upload_bytes))
     try:
@@ -216,8 +217,7 @@ async def train(project: str, name: str, request: Request) -> StreamingResponse:
 
 
 @router.post(MODEL_PATH + "/log")
-async def log(project: str, name: str, request: Request) -> dict[str, Any]:
-    control = _control(request)
+async def log(project: str, name: str, control: Control, request: Request) -> dict[str, Any]:
     model = control.model(project, name)
     params, groups = decode_groups(await read_limited_body(request, control.max_upload_bytes))
     split, step = params.get("split"), params.get("step")
@@ -248,32 +248,27 @@ def _log_metrics(metrics: Any) -> dict[str, Any]:
 
 
 @router.get(MODEL_PATH + "/history")
-async def history(project: str, name: str, request: Request) -> list[dict[str, Any]]:
-    control = _control(request)
+async def history(project: str, name: str, control: Control) -> Rows:
     return await control.backend.history(control.model(project, name))
 
 
 @router.get(MODEL_PATH + "/calls/{rollout_id}")
-async def calls(project: str, name: str, rollout_id: str, request: Request
-                ) -> list[dict[str, Any]]:
-    control = _control(request)
+async def calls(project: str, name: str, rollout_id: str, control: Control) -> Rows:
     validate_name("rollout id", rollout_id)
     found = await control.backend.fetch_calls(control.model(project, name), rollout_id)
     return [c.model_dump(mode="json") for c in found]
 
 
 @router.get(MODEL_PATH + "/spans/{rollout_id}")
-async def spans(project: str, name: str, rollout_id: str, request: Request
-                ) -> list[dict[str, Any]]:
-    control = _control(request)
+async def spans(project: str, name: str, rollout_id: str, control: Control) -> Rows:
     validate_name("rollout id", rollout_id)
     found = await control.backend.fetch_spans(control.model(project, name), rollout_id)
     return [s.model_dump(mode="json") for s in found]
 
 
 @router.post(MODEL_PATH + "/external/take")
-async def take_external(project: str, name: str, request: Request) -> Response:
-    control = _control(request)
+async def take_external(project: str, name: str, control: Control, request: Request
+                        ) -> Response:
     model, body = control.model(project, name), await _json(request)
     groups = await control.backend.take_external_groups(  # n_groups: checked by the store
         model, body.get("n_groups", 0), validate_name("request id", body.get("request_id")))
@@ -281,21 +276,19 @@ async def take_external(project: str, name: str, request: Request) -> Response:
 
 
 @router.get(MODEL_PATH + "/external/status")
-async def external_status(project: str, name: str, request: Request) -> dict[str, int]:
-    control = _control(request)
+async def external_status(project: str, name: str, control: Control) -> dict[str, int]:
     return await control.backend.external_rollouts_status(control.model(project, name))
 
 
 @router.get(MODEL_PATH + "/pending")
-async def pending(project: str, name: str, request: Request) -> Response:
-    control = _control(request)
+async def pending(project: str, name: str, control: Control) -> Response:
     groups = await control.backend.pending_groups(control.model(project, name))
     return Response(group_lines(groups), media_type=NDJSON)
 
 
 @router.post(MODEL_PATH + "/checkpoints/delete")
-async def delete_checkpoints(project: str, name: str, request: Request) -> dict[str, Any]:
-    control = _control(request)
+async def delete_checkpoints(project: str, name: str, control: Control, request: Request
+                             ) -> dict[str, Any]:
     model = control.model(project, name)
     keep = (await _json(request)).get("keep_steps")
     if not isinstance(keep, list) or not all(isinstance(s, int) and s >= 0 for s in keep):
@@ -304,19 +297,17 @@ async def delete_checkpoints(project: str, name: str, request: Request) -> dict[
 
 
 @router.get(MODEL_PATH + "/release")
-async def release_state(project: str, name: str, request: Request) -> dict[str, Any]:
+async def release_state(project: str, name: str, control: Control) -> dict[str, Any]:
     from ..core.release_log import ReleaseLog
 
-    control = _control(request)
     store = control.backend.store(control.model(project, name))
     return asdict(await asyncio.to_thread(ReleaseLog(store.root).state))
 
 
 @router.get(MODEL_PATH + "/online")
-async def online_status(project: str, name: str, request: Request) -> dict[str, Any]:
+async def online_status(project: str, name: str, control: Control) -> dict[str, Any]:
     """Online mode's counts (live calls waiting, trained, expired by reason), release stage
     and last gate verdict."""
-    control = _control(request)
     model = control.model(project, name)
     loop = control.online.get(model.key)
     if loop is None:
@@ -326,13 +317,12 @@ async def online_status(project: str, name: str, request: Request) -> dict[str, 
 
 
 @router.post(MODEL_PATH + "/release/{action}")
-async def release_move(project: str, name: str, action: str, request: Request
+async def release_move(project: str, name: str, action: str, control: Control, request: Request
                        ) -> dict[str, Any]:
     """Promote (``{"step": N}``) or roll back (``{"to": N}``) the model's incumbent: effective
     for the next call on every replica; calls in flight finish."""
     from ..backend.online.release import ReleaseControl
 
-    control = _control(request)
     model, body = control.model(project, name), await _json(request)
     key = {"promote": "step", "rollback": "to"}.get(action)
     if key is None:
