@@ -16,7 +16,7 @@ import httpx2
 import pytest
 
 import tracerl
-from tracerl.backend.gateway.rollout_api import events_path
+from tracerl.backend.rollout_log import events_path
 from tracerl.backend.training.rows import RowStats, rows_from_calls
 from tracerl.core.errors import RolloutTimeoutError
 

@@ -8,6 +8,7 @@ below it, ``tests/test_layout.py`` checks):
 - ``publishing.py``: each step's adapter written once as ``policy@N`` where all servers read it.
 - ``object_sync.py``: a model's folder pushed to and pulled from object storage (S3 via fsspec),
   to resume training on another machine (ART's ``_experimental_push_to_s3`` / ``_pull_from_s3``).
+- ``rollout_log.py``: the per-model event logs the trainer takes groups from, and rollout files.
 - ``protocols/``: every API served (chat, completions, Responses, Anthropic Messages, plugins'),
   each rendered on the engine's chat or completions call; ``registry.py`` finds them.
 - ``engines/``: vLLM (a server subprocess) and transformers (in process) behind ``Engine``;

@@ -11,10 +11,10 @@ import json
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
 
 from ..backend.chat_template import builtin_templates
 from ..backend.gateway.http_answers import KeyCheck, KeyRequired, error_response
@@ -146,156 +146,194 @@ class ControlServer:
         loop = self.online[key] = OnlineLoop(self.backend, self.models[key], config)
         await loop.run(stop)
 
-    # --- routes ----------------------------------------------------------------------------
-
-    async def _json(self, request: Request) -> dict[str, Any]:
-        return parse_json_object(await read_limited_body(request, SMALL_BODY_BYTES) or b"{}")
-
     def install(self, app: FastAPI, check_auth: KeyCheck) -> None:
-        """Add the control routes to ``app`` (the gateway's), guarded by ``check_auth``."""
-        router = APIRouter(prefix=API_PREFIX)
-
-        @app.exception_handler(TracerlError)
-        async def tracerl_error(request: Request, e: TracerlError) -> JSONResponse:
-            return error_response(e)
-
+        """Serve the control routes (:data:`router`) on ``app`` (the gateway's), guarded by
+        ``check_auth``."""
+        app.state.control = self
+        app.exception_handler(TracerlError)(_answer_error)
         app.add_middleware(KeyRequired, check=check_auth, only_under=API_PREFIX + "/")
-
-        @router.get("/status")
-        async def status() -> dict[str, Any]:
-            return {"ready": self.ready, "training": self.queue.status(),
-                    "models": {k: await self.backend.get_step(m) for k, m in self.models.items()}}
-
-        @router.post("/models")
-        async def register(request: Request) -> dict[str, Any]:
-            model = await self.register(await self._json(request))
-            return {"model_name": self.backend.inference_name(model),
-                    "step": await self.backend.get_step(model), "gateway_path": "/v1"}
-
-        @router.get("/models/{project}/{name}")
-        async def get_model(project: str, name: str) -> dict[str, Any]:
-            model = self.model(project, name)
-            return {"name": model.name, "project": model.project, "base_model": model.base_model,
-                    "step": await self.backend.get_step(model)}
-
-        @router.post("/models/{project}/{name}/train")
-        async def train(project: str, name: str, request: Request) -> StreamingResponse:
-            model = self.model(project, name)
-            params, groups = decode_groups(await read_limited_body(request, self.max_upload_bytes))
-            try:
-                config = TrainConfig.model_validate(params.get("config") or {})
-            except ValueError as e:
-                raise ConfigError(f"invalid train config: {e}") from None
-            if not groups:
-                raise InvalidTrajectoryError("train got no trajectory groups")
-            self.backend.check_groups(model, groups)  # rows against the model, before queueing
-            job = self.queue.submit(model, params.get("request_id"), groups, config)
-            return StreamingResponse(_ndjson(self.queue.events(job)), media_type=NDJSON)
-
-        @router.post("/models/{project}/{name}/log")
-        async def log(project: str, name: str, request: Request) -> dict[str, Any]:
-            model = self.model(project, name)
-            params, groups = decode_groups(await read_limited_body(request, self.max_upload_bytes))
-            split, step = params.get("split"), params.get("step")
-            metrics = params.get("metrics") or {}
-            if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
-                raise RequestError(f"the parameters line needs step, an integer in [0, {MAX_STEP}]"
-                                   f", got {step!r}"[:200], param="step")
-            if not isinstance(metrics, dict):
-                raise RequestError("metrics must be a JSON object of numbers", param="metrics")
-            for key, value in metrics.items():
-                if isinstance(value, bool) or not isinstance(value, int | float):
-                    raise RequestError(f"metrics.{key} must be a number, got {value!r}"[:200],
-                                       param=f"metrics.{key}")
-                if key in HISTORY_FIELDS:
-                    raise RequestError(f"metrics.{key}: {key!r} is a field of every history "
-                                       f"line ({', '.join(HISTORY_FIELDS)}); log it under "
-                                       "another name", param=f"metrics.{key}")
-            marker = request_marker(self.backend.store(model), "log", params.get("request_id"))
-            if not marker.exists():  # a retried log is applied once
-                await self.backend.log(model, groups, validate_name("split", split), step, metrics)
-                atomic_write_text(marker, json.dumps({"split": split, "step": step}))
-            return {"logged": len(groups)}
-
-        @router.get("/models/{project}/{name}/history")
-        async def history(project: str, name: str) -> list[dict[str, Any]]:
-            return await self.backend.history(self.model(project, name))
-
-        @router.get("/models/{project}/{name}/calls/{rollout_id}")
-        async def calls(project: str, name: str, rollout_id: str) -> list[dict[str, Any]]:
-            validate_name("rollout id", rollout_id)
-            found = await self.backend.fetch_calls(self.model(project, name), rollout_id)
-            return [c.model_dump(mode="json") for c in found]
-
-        @router.get("/models/{project}/{name}/spans/{rollout_id}")
-        async def spans(project: str, name: str, rollout_id: str) -> list[dict[str, Any]]:
-            validate_name("rollout id", rollout_id)
-            found = await self.backend.fetch_spans(self.model(project, name), rollout_id)
-            return [s.model_dump(mode="json") for s in found]
-
-        @router.post("/models/{project}/{name}/external/take")
-        async def take_external(project: str, name: str, request: Request) -> Response:
-            model, body = self.model(project, name), await self._json(request)
-            groups = await self.backend.take_external_groups(  # n_groups: checked by the store
-                model, body.get("n_groups", 0),
-                validate_name("request id", body.get("request_id")))
-            return Response(group_lines(groups), media_type=NDJSON)
-
-        @router.get("/models/{project}/{name}/external/status")
-        async def external_status(project: str, name: str) -> dict[str, int]:
-            return await self.backend.external_rollouts_status(self.model(project, name))
-
-        @router.get("/models/{project}/{name}/pending")
-        async def pending(project: str, name: str) -> Response:
-            groups = await self.backend.pending_groups(self.model(project, name))
-            return Response(group_lines(groups), media_type=NDJSON)
-
-        @router.post("/models/{project}/{name}/checkpoints/delete")
-        async def delete_checkpoints(project: str, name: str, request: Request) -> dict[str, Any]:
-            model = self.model(project, name)
-            keep = (await self._json(request)).get("keep_steps")
-            if not isinstance(keep, list) or not all(isinstance(s, int) and s >= 0 for s in keep):
-                raise ConfigError("keep_steps must be a list of step numbers")
-            return {"deleted": await self.backend.delete_checkpoints(model, set(keep))}
-
-        @router.get("/models/{project}/{name}/release")
-        async def release_state(project: str, name: str) -> dict[str, Any]:
-            from ..core.release_log import ReleaseLog
-
-            store = self.backend.store(self.model(project, name))
-            return asdict(await asyncio.to_thread(ReleaseLog(store.root).state))
-
-        @router.get("/models/{project}/{name}/online")
-        async def online_status(project: str, name: str) -> dict[str, Any]:
-            """Online mode's counts (live calls waiting, trained, expired by reason), release
-            stage and last gate verdict."""
-            model = self.model(project, name)
-            loop = self.online.get(model.key)
-            if loop is None:
-                raise NotRegisteredError(f"model {model.key} is not in online mode on this "
-                                         "server (tracerl serve --online PROJECT/NAME)")
-            return await asyncio.to_thread(loop.status)
-
-        @router.post("/models/{project}/{name}/release/{action}")
-        async def release_move(project: str, name: str, action: str,
-                               request: Request) -> dict[str, Any]:
-            """Promote (``{"step": N}``) or roll back (``{"to": N}``) the model's incumbent:
-            effective for the next call on every replica; calls in flight finish."""
-            from ..backend.online.release import move_incumbent
-
-            model, body = self.model(project, name), await self._json(request)
-            key = {"promote": "step", "rollback": "to"}.get(action)
-            if key is None:
-                raise ConfigError(f"no release action {action!r}: promote or rollback")
-            step = body.get(key)
-            if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-                raise ConfigError(f"{key} must be a step number (an integer >= 0), not {step!r}")
-            route = self.backend.gateway.models[model.key]
-            state = await self.backend.call_on_gateway(
-                move_incumbent(route, action, step, reason=body.get("reason") or "by hand"))
-            return {"incumbent": state.incumbent}
-
         app.include_router(router)
+
+
+# --- routes ----------------------------------------------------------------------------------
+
+router = APIRouter(prefix=API_PREFIX)
+MODEL_PATH = "/models/{project}/{name}"
+
+
+def _control(request: Request) -> ControlServer:
+    """The server whose routes these are (set by :meth:`ControlServer.install`)."""
+    control: ControlServer = request.app.state.control
+    return control
+
+
+Control = Annotated[ControlServer, Depends(_control)]  # a route's server, as a dependency
+Rows = list[dict[str, Any]]
+
+
+async def _answer_error(request: Request, e: TracerlError) -> Response:
+    return error_response(e)
+
+
+async def _json(request: Request) -> dict[str, Any]:
+    return parse_json_object(await read_limited_body(request, SMALL_BODY_BYTES) or b"{}")
+
+
+@router.get("/status")
+async def status(control: Control) -> dict[str, Any]:
+    backend = control.backend
+    return {"ready": control.ready, "training": control.queue.status(),
+            "models": {k: await backend.get_step(m) for k, m in control.models.items()}}
+
+
+@router.post("/models")
+async def register(control: Control, request: Request) -> dict[str, Any]:
+    model = await control.register(await _json(request))
+    return {"model_name": control.backend.inference_name(model),
+            "step": await control.backend.get_step(model), "gateway_path": "/v1"}
+
+
+@router.get(MODEL_PATH)
+async def get_model(project: str, name: str, control: Control) -> dict[str, Any]:
+    model = control.model(project, name)
+    return {"name": model.name, "project": model.project, "base_model": model.base_model,
+            "step": await control.backend.get_step(model)}
+
+
+@router.post(MODEL_PATH + "/train")
+async def train(project: str, name: str, control: Control, request: Request
+                ) -> StreamingResponse:
+    model = control.model(project, name)
+    params, groups = decode_groups(await read_limited_body(request, control.max_upload_bytes))
+    try:
+        config = TrainConfig.model_validate(params.get("config") or {})
+    except ValueError as e:
+        raise ConfigError(f"invalid train config: {e}") from None
+    if not groups:
+        raise InvalidTrajectoryError("train got no trajectory groups")
+    control.backend.check_groups(model, groups)  # rows against the model, before queueing
+    job = control.queue.submit(model, params.get("request_id"), groups, config)
+    return StreamingResponse(_ndjson(control.queue.events(job)), media_type=NDJSON)
+
+
+@router.post(MODEL_PATH + "/log")
+async def log(project: str, name: str, control: Control, request: Request) -> dict[str, Any]:
+    model = control.model(project, name)
+    params, groups = decode_groups(await read_limited_body(request, control.max_upload_bytes))
+    split, step = params.get("split"), params.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise RequestError(f"the parameters line needs step, an integer in [0, {MAX_STEP}]"
+                           f", got {step!r}"[:200], param="step")
+    metrics = _log_metrics(params.get("metrics") or {})
+    marker = request_marker(control.backend.store(model), "log", params.get("request_id"))
+    if not marker.exists():  # a retried log is applied once
+        await control.backend.log(model, groups, validate_name("split", split), step, metrics)
+        atomic_write_text(marker, json.dumps({"split": split, "step": step}))
+    return {"logged": len(groups)}
+
+
+def _log_metrics(metrics: Any) -> dict[str, Any]:
+    """A log request's ``metrics``: a JSON object of numbers, none named as a history field."""
+    if not isinstance(metrics, dict):
+        raise RequestError("metrics must be a JSON object of numbers", param="metrics")
+    for key, value in metrics.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise RequestError(f"metrics.{key} must be a number, got {value!r}"[:200],
+                               param=f"metrics.{key}")
+        if key in HISTORY_FIELDS:
+            raise RequestError(f"metrics.{key}: {key!r} is a field of every history line "
+                               f"({', '.join(HISTORY_FIELDS)}); log it under another name",
+                               param=f"metrics.{key}")
+    return metrics
+
+
+@router.get(MODEL_PATH + "/history")
+async def history(project: str, name: str, control: Control) -> Rows:
+    return await control.backend.history(control.model(project, name))
+
+
+@router.get(MODEL_PATH + "/calls/{rollout_id}")
+async def calls(project: str, name: str, rollout_id: str, control: Control) -> Rows:
+    validate_name("rollout id", rollout_id)
+    found = await control.backend.fetch_calls(control.model(project, name), rollout_id)
+    return [c.model_dump(mode="json") for c in found]
+
+
+@router.get(MODEL_PATH + "/spans/{rollout_id}")
+async def spans(project: str, name: str, rollout_id: str, control: Control) -> Rows:
+    validate_name("rollout id", rollout_id)
+    found = await control.backend.fetch_spans(control.model(project, name), rollout_id)
+    return [s.model_dump(mode="json") for s in found]
+
+
+@router.post(MODEL_PATH + "/external/take")
+async def take_external(project: str, name: str, control: Control, request: Request
+                        ) -> Response:
+    model, body = control.model(project, name), await _json(request)
+    groups = await control.backend.take_external_groups(  # n_groups: checked by the store
+        model, body.get("n_groups", 0), validate_name("request id", body.get("request_id")))
+    return Response(group_lines(groups), media_type=NDJSON)
+
+
+@router.get(MODEL_PATH + "/external/status")
+async def external_status(project: str, name: str, control: Control) -> dict[str, int]:
+    return await control.backend.external_rollouts_status(control.model(project, name))
+
+
+@router.get(MODEL_PATH + "/pending")
+async def pending(project: str, name: str, control: Control) -> Response:
+    groups = await control.backend.pending_groups(control.model(project, name))
+    return Response(group_lines(groups), media_type=NDJSON)
+
+
+@router.post(MODEL_PATH + "/checkpoints/delete")
+async def delete_checkpoints(project: str, name: str, control: Control, request: Request
+                             ) -> dict[str, Any]:
+    model = control.model(project, name)
+    keep = (await _json(request)).get("keep_steps")
+    if not isinstance(keep, list) or not all(isinstance(s, int) and s >= 0 for s in keep):
+        raise ConfigError("keep_steps must be a list of step numbers")
+    return {"deleted": await control.backend.delete_checkpoints(model, set(keep))}
+
+
+@router.get(MODEL_PATH + "/release")
+async def release_state(project: str, name: str, control: Control) -> dict[str, Any]:
+    from ..core.release_log import ReleaseLog
+
+    store = control.backend.store(control.model(project, name))
+    return asdict(await asyncio.to_thread(ReleaseLog(store.root).state))
+
+
+@router.get(MODEL_PATH + "/online")
+async def online_status(project: str, name: str, control: Control) -> dict[str, Any]:
+    """Online mode's counts (live calls waiting, trained, expired by reason), release stage
+    and last gate verdict."""
+    model = control.model(project, name)
+    loop = control.online.get(model.key)
+    if loop is None:
+        raise NotRegisteredError(f"model {model.key} is not in online mode on this server "
+                                 "(tracerl serve --online PROJECT/NAME)")
+    return await asyncio.to_thread(loop.status)
+
+
+@router.post(MODEL_PATH + "/release/{action}")
+async def release_move(project: str, name: str, action: str, control: Control, request: Request
+                       ) -> dict[str, Any]:
+    """Promote (``{"step": N}``) or roll back (``{"to": N}``) the model's incumbent: effective
+    for the next call on every replica; calls in flight finish."""
+    from ..backend.online.release import ReleaseControl
+
+    model, body = control.model(project, name), await _json(request)
+    key = {"promote": "step", "rollback": "to"}.get(action)
+    if key is None:
+        raise ConfigError(f"no release action {action!r}: promote or rollback")
+    step = body.get(key)
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ConfigError(f"{key} must be a step number (an integer >= 0), not {step!r}")
+    release = ReleaseControl(control.backend, model)
+    move = release.promote if action == "promote" else release.rollback
+    state = await move(step, body.get("reason") or "by hand")
+    return {"incumbent": state.incumbent}
 
 
 async def _ndjson(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:

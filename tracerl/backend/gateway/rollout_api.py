@@ -17,42 +17,51 @@ Every body is validated before anything is written (400 naming the field); an un
 ``taken`` events are the trainer's cursor, so a rollout is handed out once. Spans are kept in
 ``spans/{rollout_id}.jsonl`` (a line per post) for any rollout (tracerl's own ones too). A
 call that arrives for a finished rollout is recorded apart, in ``calls/_late.jsonl``, never in
-its trajectory.
+its trajectory. The log and these files, and their readers, are :mod:`..rollout_log`'s; here
+are the routes (a module-level :data:`router`) and the state they serve.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 import time
 import uuid
-from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from ...core import settings
 from ...core.errors import (
     ConfigError,
-    RequestError,
     RolloutFinishedError,
     RolloutNotFoundError,
     TracerlError,
 )
 from ...core.spans import Span, awaited_span_ids, link_spans_to_calls
-from ...core.storage import ModelStore, append_jsonl, read_jsonl, validate_name
+from ...core.storage import ModelStore, append_jsonl, validate_name
 from ...core.trajectory import (
     LLMCall,
     RolloutException,
     Trajectory,
     TrajectoryGroup,
     fill_messages_from_calls,
+)
+from ..rollout_log import (
+    LATE_CALLS,
+    ExternalRollout,
+    ModelLogs,
+    ModelRollouts,
+    finite_number,
+    invalid,
+    late_calls_path,
+    metrics_of,
+    read_spans,
+    spans_path,
 )
 from .request_body import parse_json_object, read_limited_body
 from .served import ModelTable, ServedModel
@@ -63,155 +72,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
-# a route of the rollout API: (request, the path's rollout id, the parsed body) -> its JSON
-RouteFn = Callable[[Request, Any, Any], Awaitable[Any]]
 MAX_SPANS_PER_POST = 1000
-LATE_CALLS = "_late.jsonl"  # in calls/: its name cannot be a rollout id (leading ``_``)
 STATUSES = ("ok", "failed")
-
-
-def events_path(store: ModelStore) -> Path:
-    return store.root / "external" / "rollouts.jsonl"
-
-
-def spans_path(store: ModelStore, rollout_id: str) -> Path:
-    validate_name("rollout id", rollout_id)
-    return store.root / "spans" / f"{rollout_id}.jsonl"
-
-
-def late_calls_path(store: ModelStore) -> Path:
-    return store.root / "calls" / LATE_CALLS
-
-
-def read_spans(store: ModelStore, rollout_id: str) -> list[Span]:
-    """The spans posted for ``rollout_id``, in start order."""
-    spans = [Span.model_validate(s) for r in read_jsonl(spans_path(store, rollout_id))
-             for s in r.get("spans", [])]
-    return sorted(spans, key=lambda s: s.start_time)
-
-
-@dataclass
-class ExternalRollout:
-    """One rollout opened through the API."""
-
-    rollout_id: str
-    group: str
-    group_size: int | None
-    metadata: dict[str, Any]
-    created_at: float
-    reward: float | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
-    status: str | None = None  # None while open, then "ok" or "failed"
-    error: str | None = None
-    finished_at: float | None = None
-    taken: bool = False
-
-    def view(self) -> dict[str, Any]:
-        return {"rollout_id": self.rollout_id, "group": self.group,
-                "group_size": self.group_size, "metadata": self.metadata,
-                "reward": self.reward, "metrics": self.metrics,
-                "status": self.status or "open", "error": self.error,
-                "created_at": self.created_at, "finished_at": self.finished_at,
-                "handed_out": self.taken}
-
-
-class _ModelRollouts:
-    """One model's rollouts, rebuilt from its event log and kept in step with it."""
-
-    def __init__(self, store: ModelStore) -> None:
-        self.store = store
-        self.rollouts: dict[str, ExternalRollout] = {}
-        self.groups: dict[str, list[str]] = {}
-        self.taken: dict[str, list[list[str]]] = {}  # request id -> the groups it got
-        for event in read_jsonl(events_path(store)):
-            self._apply(event)
-
-    def write(self, event: dict[str, Any]) -> None:
-        """Append ``event`` (fsynced), then apply it: nothing changes if the write fails."""
-        append_jsonl(events_path(self.store), event)
-        self._apply(event)
-
-    def _apply(self, e: dict[str, Any]) -> None:
-        kind = e.get("event")
-        if kind == "open":
-            opened = ExternalRollout(e["rollout_id"], e["group"], e.get("group_size"),
-                                     e.get("metadata") or {}, e["at"])
-            self.rollouts[opened.rollout_id] = opened
-            self.groups.setdefault(opened.group, []).append(opened.rollout_id)
-            return
-        if kind == "taken":
-            self.taken[e["request_id"]] = e["groups"]
-            for group in e["groups"]:
-                for rid in group:
-                    if rid in self.rollouts:
-                        self.rollouts[rid].taken = True
-            return
-        r = self.rollouts.get(e.get("rollout_id", ""))
-        if r is None:
-            return
-        if e.get("reward") is not None:
-            r.reward = float(e["reward"])
-        r.metrics.update(e.get("metrics") or {})
-        if kind == "finish":
-            r.status, r.error, r.finished_at = e["status"], e.get("error"), e["at"]
-
-    def ready_groups(self) -> list[list[str]]:
-        """Groups whose rollouts are all finished (``group_size`` of them when it was given)
-        and none handed out yet, oldest first."""
-        ready = []
-        for ids in self.groups.values():
-            rollouts = [self.rollouts[i] for i in ids]
-            size = rollouts[0].group_size
-            if any(r.taken or r.status is None for r in rollouts):
-                continue
-            if size is not None and len(rollouts) < size:
-                continue
-            ready.append(ids)
-        return sorted(ready, key=lambda ids: max(self.rollouts[i].finished_at or 0 for i in ids))
-
-    def counts(self) -> dict[str, int]:
-        c = Counter("handed_out" if r.taken else "open" if r.status is None else "finished"
-                    for r in self.rollouts.values())
-        return {"open": c["open"], "finished": c["finished"], "handed_out": c["handed_out"],
-                "ready_groups": len(self.ready_groups())}
-
-
-def invalid(param: str, message: str) -> RequestError:
-    """A 400 naming the body field ``param`` (the gateway's answer carries it)."""
-    return RequestError(f"{param}: {message}", param=param)
-
-
-def _number(body: dict[str, Any], key: str, where: str | None = None) -> float:
-    value = body.get(key)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise invalid(where or key, f"must be a finite number, got {value!r}")
-    return float(value)
-
-
-def _metrics(body: dict[str, Any]) -> dict[str, float]:
-    metrics = body.get("metrics")
-    if metrics is None:
-        return {}
-    if not isinstance(metrics, dict):
-        raise invalid("metrics", f"must be a JSON object of numbers, got {metrics!r}")
-    return {str(k): _number(metrics, k, f"metrics.{k}") for k in metrics}
-
-
-def _reward_event(kind: str, rollout_id: str, body: dict[str, Any]) -> dict[str, Any]:
-    """A reward or finish event from a request body, validated (nothing written yet)."""
-    event: dict[str, Any] = {"event": kind, "rollout_id": rollout_id, "at": time.time(),
-                             "metrics": _metrics(body)}
-    if kind == "reward" or body.get("reward") is not None:
-        event["reward"] = _number(body, "reward")
-    if kind == "finish":
-        status = body.get("status", "ok")
-        if status not in STATUSES:
-            raise invalid("status", f"must be one of {list(STATUSES)}, got {status!r}")
-        error = body.get("error")
-        if error is not None and not isinstance(error, str):
-            raise invalid("error", f"must be a string, got {error!r}")
-        event["status"], event["error"] = status, error
-    return event
 
 
 class ExternalRollouts:
@@ -220,31 +82,28 @@ class ExternalRollouts:
     def __init__(self, models: ModelTable) -> None:
         """``models``: the gateway's served models (rollouts are opened on one of them)."""
         self.models = models
-        self._lock = threading.Lock()  # the gateway's loop and the trainer's thread share it
-        self._models: dict[Path, _ModelRollouts] = {}
+        self._logs = ModelLogs(ModelRollouts)  # the gateway's loop and the trainer's thread
         self._late_warned = 0
         self._spans_posted = threading.Condition()  # notified after each span post is written
 
     # --- state -----------------------------------------------------------------------------
 
-    def _of(self, store: ModelStore) -> _ModelRollouts:
-        state = self._models.get(store.root)
-        if state is None:
-            state = self._models[store.root] = _ModelRollouts(store)
-        return state
-
-    def _find(self, rollout_id: str) -> tuple[_ModelRollouts, ExternalRollout]:
+    def _find(self, rollout_id: str) -> tuple[ModelRollouts, ExternalRollout]:
         validate_name("rollout id", rollout_id)
         for served in list(self.models.values()):
-            state = self._of(served.store)
+            state = self._logs.of(served.store)
             if rollout_id in state.rollouts:
                 return state, state.rollouts[rollout_id]
         raise RolloutNotFoundError(f"no rollout {rollout_id} was opened on this gateway "
                                    "(POST /v1/rollouts opens one)")
 
+    def view(self, rollout_id: str) -> dict[str, Any]:
+        with self._logs.lock:
+            return self._find(rollout_id)[1].view()
+
     def is_finished(self, store: ModelStore, rollout_id: str) -> bool:
-        with self._lock:
-            r = self._of(store).rollouts.get(rollout_id)
+        with self._logs.lock:
+            r = self._logs.of(store).rollouts.get(rollout_id)
             return r is not None and r.status is not None
 
     def divert_late(self, store: ModelStore, rollout_id: str) -> Path | None:
@@ -263,8 +122,8 @@ class ExternalRollouts:
     def open(self, served: ServedModel, group: str | None, group_size: int | None,
              metadata: dict[str, Any]) -> ExternalRollout:
         rollout_id = "ext-" + uuid.uuid4().hex
-        with self._lock:
-            state = self._of(served.store)
+        with self._logs.lock:
+            state = self._logs.of(served.store)
             group = group or rollout_id
             members = [state.rollouts[i] for i in state.groups.get(group, [])]
             if members and members[0].group_size != group_size:
@@ -279,7 +138,7 @@ class ExternalRollouts:
             return state.rollouts[rollout_id]
 
     def update(self, rollout_id: str, event: dict[str, Any]) -> ExternalRollout:
-        with self._lock:
+        with self._logs.lock:
             state, r = self._find(rollout_id)
             if r.status is not None:
                 raise RolloutFinishedError(f"rollout {rollout_id} was finished already "
@@ -291,7 +150,7 @@ class ExternalRollouts:
     def add_spans(self, rollout_id: str, spans: list[Span], model: str | None) -> int:
         store = self._store_for_spans(rollout_id, model)
         path = spans_path(store, rollout_id)
-        with self._lock:  # one line per post: a post is kept whole or not at all
+        with self._logs.lock:  # one line per post: a post is kept whole or not at all
             append_jsonl(path, {"spans": [span.model_dump(mode="json") for span in spans]})
         with self._spans_posted:
             self._spans_posted.notify_all()
@@ -320,7 +179,7 @@ class ExternalRollouts:
         """The model whose rollout this is: the rollout API's, else the one with calls recorded
         under the id, else the one named ``model``."""
         try:
-            with self._lock:
+            with self._logs.lock:
                 return self._find(rollout_id)[0].store
         except RolloutNotFoundError:
             pass
@@ -340,28 +199,20 @@ class ExternalRollouts:
         validate_name("request id", request_id)
         if isinstance(n_groups, bool) or not isinstance(n_groups, int) or n_groups < 1:
             raise invalid("n_groups", f"must be an integer >= 1, got {n_groups!r}")
-        with self._lock:
-            state = self._of(store)
-            if request_id in state.taken:
-                ids = state.taken[request_id]
-            else:
-                ready = state.ready_groups()
-                if len(ready) < n_groups:
-                    return []
-                ids = ready[:n_groups]
-                state.write({"event": "taken", "request_id": request_id, "groups": ids,
-                             "at": time.time()})
+        with self._logs.lock:
+            state = self._logs.of(store)
+            ids = state.take(request_id, lambda: state.ready_groups()[:n_groups], n_groups)
             return [[state.rollouts[i] for i in group] for group in ids]
 
     def counts(self, store: ModelStore) -> dict[str, int]:
-        with self._lock:
-            return self._of(store).counts()
+        with self._logs.lock:
+            return self._logs.of(store).counts()
 
     def expire_open(self, store: ModelStore, older_than: float) -> list[str]:
         """Finish, as failed, the rollouts of ``store`` still open that were opened before
         ``older_than`` (online mode's expiry: their reward never came; a later one is a 409)."""
-        with self._lock:
-            state = self._of(store)
+        with self._logs.lock:
+            state = self._logs.of(store)
             doomed = [r for r in state.rollouts.values()
                       if r.status is None and r.created_at < older_than]
             for r in doomed:
@@ -370,96 +221,13 @@ class ExternalRollouts:
                              "error": "expired: no reward within TRACERL_ONLINE_REWARD_TTL_S"})
             return [r.rollout_id for r in doomed]
 
-    # --- routes ----------------------------------------------------------------------------
-
     def install(self, app: FastAPI, answer_error: Callable[[TracerlError], JSONResponse]
                 ) -> None:
-        """Add the routes to the gateway's ``app`` (its auth middleware guards them); errors
-        are answered by ``answer_error`` (the gateway's OpenAI-shaped answer)."""
-
-        async def body_of(request: Request) -> Any:
-            raw = await read_limited_body(request, MAX_BODY_BYTES)
-            if raw.lstrip()[:1] == b"[":  # a bare list of spans
-                return parse_json_object(b'{"spans": ' + raw + b"}")["spans"]
-            return parse_json_object(raw or b"{}")
-
-        def answer(fn: RouteFn) -> Callable[[Request, str | None], Awaitable[Any]]:
-            async def route(request: Request, rollout_id: str | None = None) -> Any:
-                try:
-                    body = await body_of(request) if request.method == "POST" else None
-                    if request.method == "POST" and fn is not spans_route \
-                            and not isinstance(body, dict):
-                        raise invalid("body", "must be a JSON object")
-                    return await fn(request, rollout_id, body)
-                except ConfigError as e:  # a bad id or name
-                    return answer_error(invalid("rollout_id" if rollout_id else "group", str(e)))
-                except TracerlError as e:
-                    return answer_error(e)
-            return route
-
-        async def open_route(request: Request, _: Any, body: dict[str, Any]) -> Any:
-            model = body.get("model")
-            if not isinstance(model, str) or not model:
-                raise invalid("model", "must be the served model's name")
-            group = body.get("group")
-            if group is not None:
-                try:
-                    validate_name("group", group)
-                except ConfigError as e:
-                    raise invalid("group", str(e)) from None
-            size = body.get("group_size")
-            if size is not None and (isinstance(size, bool) or not isinstance(size, int)
-                                     or size < 1):
-                raise invalid("group_size", f"must be an integer >= 1, got {size!r}")
-            metadata = body.get("metadata") or {}
-            if not isinstance(metadata, dict):
-                raise invalid("metadata", "must be a JSON object")
-            try:
-                served = self.models.route(model)[0]
-            except TracerlError as e:
-                raise invalid("model", str(e)) from None
-            r = await asyncio.to_thread(self.open, served, group, size, metadata)
-            base = str(request.base_url).rstrip("/")
-            return {**r.view(), "model": model,
-                    "base_url": f"{base}/rollouts/{r.rollout_id}/v1",
-                    "headers": {"x-rollout-id": r.rollout_id}}
-
-        async def get_route(request: Request, rollout_id: str, _: Any) -> Any:
-            with self._lock:
-                return self._find(rollout_id)[1].view()
-
-        async def reward_route(request: Request, rollout_id: str, body: dict[str, Any]) -> Any:
-            event = _reward_event("reward", rollout_id, body)
-            return (await asyncio.to_thread(self.update, rollout_id, event)).view()
-
-        async def finish_route(request: Request, rollout_id: str, body: dict[str, Any]) -> Any:
-            event = _reward_event("finish", rollout_id, body)
-            return (await asyncio.to_thread(self.update, rollout_id, event)).view()
-
-        async def spans_route(request: Request, rollout_id: str, body: Any) -> Any:
-            model = None
-            if isinstance(body, dict):
-                model = body.get("model")
-                body = body.get("spans")
-            if not isinstance(body, list) or len(body) > MAX_SPANS_PER_POST:
-                raise invalid("spans", f"must be a list of at most {MAX_SPANS_PER_POST} span "
-                              "objects")
-            spans = []
-            for i, item in enumerate(body):
-                try:
-                    spans.append(Span.model_validate(item))
-                except ValueError as e:
-                    raise invalid(f"spans[{i}]", f"is not a span: {e}") from None
-            validate_name("rollout id", rollout_id)
-            added = await asyncio.to_thread(self.add_spans, rollout_id, spans, model)
-            return {"rollout_id": rollout_id, "added": added}
-
-        app.add_api_route("/v1/rollouts", answer(open_route), methods=["POST"])
-        app.add_api_route("/v1/rollouts/{rollout_id}", answer(get_route), methods=["GET"])
-        for name, fn in (("spans", spans_route), ("reward", reward_route),
-                         ("finish", finish_route)):
-            app.add_api_route(f"/v1/rollouts/{{rollout_id}}/{name}", answer(fn),
-                              methods=["POST"])
+        """Serve the routes (:data:`router`) on the gateway's ``app``, whose auth middleware
+        guards them; errors are answered by ``answer_error`` (the gateway's OpenAI-shaped
+        answer)."""
+        app.state.rollout_api, app.state.rollout_api_errors = self, answer_error
+        app.include_router(router)
 
 
 def build_groups(rollouts: list[list[ExternalRollout]], store: ModelStore,
@@ -490,7 +258,134 @@ def build_groups(rollouts: list[list[ExternalRollout]], store: ModelStore,
     return groups
 
 
-def pending_rollout_ids(store: ModelStore) -> set[str]:
-    """Rollout API rollouts of ``store`` not handed out yet (their calls are not orphans)."""
-    state = _ModelRollouts(store)
-    return {rid for rid, r in state.rollouts.items() if not r.taken}
+# --- routes ----------------------------------------------------------------------------------
+
+router = APIRouter()
+# a route's work: (the rollout API, the request, the path's rollout id, the parsed body) -> JSON
+Handler = Callable[[ExternalRollouts, Request, Any, Any], Awaitable[Any]]
+
+
+async def _answered(request: Request, rollout_id: str | None, handle: Handler, *,
+                    any_body: bool = False) -> Any:
+    """``handle``'s answer to ``request``, its body parsed (a JSON object unless ``any_body``);
+    a refusal is the gateway's error answer."""
+    api: ExternalRollouts = request.app.state.rollout_api
+    answer_error: Callable[[TracerlError], JSONResponse] = request.app.state.rollout_api_errors
+    try:
+        body = await _body(request) if request.method == "POST" else None
+        if request.method == "POST" and not any_body and not isinstance(body, dict):
+            raise invalid("body", "must be a JSON object")
+        return await handle(api, request, rollout_id, body)
+    except ConfigError as e:  # a bad id or name
+        return answer_error(invalid("rollout_id" if rollout_id else "group", str(e)))
+    except TracerlError as e:
+        return answer_error(e)
+
+
+async def _body(request: Request) -> Any:
+    raw = await read_limited_body(request, MAX_BODY_BYTES)
+    if raw.lstrip()[:1] == b"[":  # a bare list of spans
+        return parse_json_object(b'{"spans": ' + raw + b"}")["spans"]
+    return parse_json_object(raw or b"{}")
+
+
+@router.post("/v1/rollouts")
+async def open_rollout(request: Request) -> Any:
+    return await _answered(request, None, _open)
+
+
+@router.get("/v1/rollouts/{rollout_id}")
+async def get_rollout(request: Request, rollout_id: str) -> Any:
+    return await _answered(request, rollout_id, _view)
+
+
+@router.post("/v1/rollouts/{rollout_id}/spans")
+async def post_spans(request: Request, rollout_id: str) -> Any:
+    return await _answered(request, rollout_id, _spans, any_body=True)
+
+
+@router.post("/v1/rollouts/{rollout_id}/reward")
+async def post_reward(request: Request, rollout_id: str) -> Any:
+    return await _answered(request, rollout_id, _reward)
+
+
+@router.post("/v1/rollouts/{rollout_id}/finish")
+async def post_finish(request: Request, rollout_id: str) -> Any:
+    return await _answered(request, rollout_id, _finish)
+
+
+async def _open(api: ExternalRollouts, request: Request, _: Any, body: dict[str, Any]) -> Any:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("model", "must be the served model's name")
+    group = body.get("group")
+    if group is not None:
+        try:
+            validate_name("group", group)
+        except ConfigError as e:
+            raise invalid("group", str(e)) from None
+    size = body.get("group_size")
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise invalid("group_size", f"must be an integer >= 1, got {size!r}")
+    metadata = body.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise invalid("metadata", "must be a JSON object")
+    try:
+        served = api.models.route(model)[0]
+    except TracerlError as e:
+        raise invalid("model", str(e)) from None
+    r = await asyncio.to_thread(api.open, served, group, size, metadata)
+    base = str(request.base_url).rstrip("/")
+    return {**r.view(), "model": model, "base_url": f"{base}/rollouts/{r.rollout_id}/v1",
+            "headers": {"x-rollout-id": r.rollout_id}}
+
+
+async def _view(api: ExternalRollouts, request: Request, rollout_id: str, _: Any) -> Any:
+    return api.view(rollout_id)
+
+
+async def _reward(api: ExternalRollouts, request: Request, rollout_id: str,
+                  body: dict[str, Any]) -> Any:
+    event = _reward_event("reward", rollout_id, body)
+    return (await asyncio.to_thread(api.update, rollout_id, event)).view()
+
+
+async def _finish(api: ExternalRollouts, request: Request, rollout_id: str,
+                  body: dict[str, Any]) -> Any:
+    event = _reward_event("finish", rollout_id, body)
+    return (await asyncio.to_thread(api.update, rollout_id, event)).view()
+
+
+async def _spans(api: ExternalRollouts, request: Request, rollout_id: str, body: Any) -> Any:
+    model = None
+    if isinstance(body, dict):
+        model = body.get("model")
+        body = body.get("spans")
+    if not isinstance(body, list) or len(body) > MAX_SPANS_PER_POST:
+        raise invalid("spans", f"must be a list of at most {MAX_SPANS_PER_POST} span objects")
+    spans = []
+    for i, item in enumerate(body):
+        try:
+            spans.append(Span.model_validate(item))
+        except ValueError as e:
+            raise invalid(f"spans[{i}]", f"is not a span: {e}") from None
+    validate_name("rollout id", rollout_id)
+    added = await asyncio.to_thread(api.add_spans, rollout_id, spans, model)
+    return {"rollout_id": rollout_id, "added": added}
+
+
+def _reward_event(kind: str, rollout_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A reward or finish event from a request body, validated (nothing written yet)."""
+    event: dict[str, Any] = {"event": kind, "rollout_id": rollout_id, "at": time.time(),
+                             "metrics": metrics_of(body.get("metrics"))}
+    if kind == "reward" or body.get("reward") is not None:
+        event["reward"] = finite_number(body.get("reward"), "reward")
+    if kind == "finish":
+        status = body.get("status", "ok")
+        if status not in STATUSES:
+            raise invalid("status", f"must be one of {list(STATUSES)}, got {status!r}")
+        error = body.get("error")
+        if error is not None and not isinstance(error, str):
+            raise invalid("error", f"must be a string, got {error!r}")
+        event["status"], event["error"] = status, error
+    return event

@@ -13,7 +13,8 @@ is kept in ``calls/live-<hex>.jsonl``. The caller keys its feedback by the respo
 The body is validated before anything is written (400 naming the field); an id no live call
 was answered with is a 404 naming it; feedback for a call that has its reward already, or that
 expired, is a 409 naming it. State is an append-only event log per model, ``online/live.jsonl``
-(fsynced records, replayed after a restart, a torn last line skipped):
+(an :class:`..rollout_log.EventLog`: fsynced records, replayed after a restart, a torn last line
+skipped):
 
 ``call``      ``rollout_id``, ``response_id``, ``task`` (its task key), ``step`` (the version
               that served it), ``at``: written with the call's record, before the caller gets
@@ -33,8 +34,6 @@ import asyncio
 import hashlib
 import json
 import logging
-import math
-import threading
 import time
 import uuid
 from collections import Counter
@@ -43,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from ...core.errors import (
@@ -53,10 +52,17 @@ from ...core.errors import (
     ResponseNotFoundError,
     TracerlError,
 )
-from ...core.storage import ModelStore, append_jsonl, read_jsonl, validate_name
+from ...core.storage import ModelStore, read_jsonl, validate_name
 from ...core.trajectory import LLMCall
-from ..gateway.rollout_api import ExternalRollout, invalid
 from ..gateway.request_body import parse_json_object, read_limited_body
+from ..rollout_log import (
+    EventLog,
+    ExternalRollout,
+    ModelLogs,
+    finite_number,
+    invalid,
+    metrics_of,
+)
 
 if TYPE_CHECKING:
     from ..gateway.served import ModelTable
@@ -113,24 +119,23 @@ class LiveCall:
                 "reward": self.reward, "metrics": self.metrics, "expired": self.expired}
 
     def as_rollout(self, group_size: int) -> ExternalRollout:
-        """The call as a finished rollout (for :func:`.external_rollouts.build_groups`)."""
+        """The call as a finished rollout (for :func:`..gateway.rollout_api.build_groups`)."""
         return ExternalRollout(self.rollout_id, self.task, group_size,
                                {"live": True, "task": self.task, "response_id": self.response_id},
                                self.at, reward=self.reward, metrics=dict(self.metrics),
                                status="ok", finished_at=self.rewarded_at, taken=True)
 
 
-class _ModelLive:
+class _ModelLive(EventLog):
     """One model's live calls, rebuilt from its event log (and its call records) on load."""
 
+    taken_key = "batch"
+
     def __init__(self, store: ModelStore) -> None:
-        self.store = store
         self.calls: dict[str, LiveCall] = {}  # by rollout id, oldest first
         self.by_response: dict[str, str] = {}
-        self.taken: dict[str, list[list[str]]] = {}
         self.expired = Counter[str]()
-        for event in read_jsonl(events_path(store)):
-            self._apply(event)
+        super().__init__(store, events_path(store))
         self._log_unlogged_calls()
 
     def _log_unlogged_calls(self) -> None:
@@ -143,12 +148,7 @@ class _ModelLive:
                     if event is not None:
                         self.write(event)
 
-    def write(self, event: dict[str, Any]) -> None:
-        """Append ``event`` (fsynced), then apply it: nothing changes if the write fails."""
-        append_jsonl(events_path(self.store), event)
-        self._apply(event)
-
-    def _apply(self, e: dict[str, Any]) -> None:
+    def _apply_event(self, e: dict[str, Any]) -> None:
         kind = e.get("event")
         if kind == "call":
             c = LiveCall(e["rollout_id"], e["response_id"], e["task"], e.get("step"), e["at"])
@@ -163,11 +163,9 @@ class _ModelLive:
                 c.expired = e["reason"]
                 self.expired[e["reason"] if c.reward is None or e["reason"] == "rejected"
                              else "ungrouped"] += 1
-        elif kind == "taken":
-            self.taken[e["batch"]] = e["groups"]
-            for group in e["groups"]:
-                for rid in group:
-                    self.calls[rid].taken = True
+
+    def _handed_out(self, rollout_id: str) -> None:
+        self.calls[rollout_id].taken = True
 
     def ready_groups(self, group_size: int) -> list[list[str]]:
         """Full groups of rewarded waiting calls that share a task key, oldest first."""
@@ -213,18 +211,8 @@ def _feedback(body: dict[str, Any]) -> tuple[float, dict[str, float]]:
             raise invalid("thumbs", f"must be 'up' or 'down', got {body['thumbs']!r}")
         reward = THUMBS[body["thumbs"]]
     else:
-        value = body["reward"]
-        if isinstance(value, bool) or not isinstance(value, int | float) or \
-                not math.isfinite(value):
-            raise invalid("reward", f"must be a finite number, got {value!r}")
-        reward = float(value)
-    metrics = body.get("metrics") or {}
-    if not isinstance(metrics, dict):
-        raise invalid("metrics", f"must be a JSON object of numbers, got {metrics!r}")
-    for k, v in metrics.items():
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-            raise invalid(f"metrics.{k}", f"must be a finite number, got {v!r}")
-    return reward, {str(k): float(v) for k, v in metrics.items()}
+        reward = finite_number(body["reward"], "reward")
+    return reward, metrics_of(body.get("metrics") or None)
 
 
 class LiveCalls:
@@ -232,32 +220,26 @@ class LiveCalls:
 
     def __init__(self, models: ModelTable) -> None:
         self.models = models
-        self._lock = threading.Lock()  # the gateway's loop, its writer threads, the online loop
-        self._models: dict[Path, _ModelLive] = {}
+        # shared by the gateway's loop, its writer threads and the online loop
+        self._logs = ModelLogs(_ModelLive)
 
     def enable(self, store: ModelStore) -> dict[str, int]:
         """Keep the live calls of ``store``'s model (loads its log); returns its counts."""
-        with self._lock:
-            return self._of(store).counts()
-
-    def _of(self, store: ModelStore) -> _ModelLive:
-        state = self._models.get(store.root)
-        if state is None:
-            state = self._models[store.root] = _ModelLive(store)
-        return state
+        with self._logs.lock:
+            return self._logs.of(store).counts()
 
     def recorded(self, store: ModelStore, call: LLMCall) -> None:
         """The recorder's hook (a writer thread, after the call's record is on disk): log a
         live call of a model in online mode."""
-        if store.root not in self._models:
+        if store.root not in self._logs.loaded:
             return
         event = call_event(call)
         if event is not None:
-            with self._lock:
-                self._models[store.root].write(event)
+            with self._logs.lock:
+                self._logs.loaded[store.root].write(event)
 
     def _find(self, response_id: str) -> tuple[_ModelLive, LiveCall]:
-        for state in self._models.values():
+        for state in self._logs.loaded.values():
             rid = state.by_response.get(response_id)
             if rid is not None:
                 return state, state.calls[rid]
@@ -267,7 +249,7 @@ class LiveCalls:
             "caller got them)")
 
     def feedback(self, response_id: str, reward: float, metrics: dict[str, float]) -> LiveCall:
-        with self._lock:
+        with self._logs.lock:
             state, call = self._find(response_id)
             if call.expired is not None:
                 raise FeedbackClosedError(
@@ -281,7 +263,7 @@ class LiveCalls:
             return call
 
     def view(self, response_id: str) -> dict[str, Any]:
-        with self._lock:
+        with self._logs.lock:
             return self._find(response_id)[1].view()
 
     def expire(self, store: ModelStore, *, ttl_s: float, max_pending: int,
@@ -291,8 +273,8 @@ class LiveCalls:
         candidate; None: keep all), older than ``ttl_s``, then the oldest beyond
         ``max_pending``; one event per reason. Returns the counts."""
         now = time.time() if now is None else now
-        with self._lock:
-            state = self._of(store)
+        with self._logs.lock:
+            state = self._logs.of(store)
             waiting = [c for c in state.calls.values() if c.waiting]
             doomed: dict[str, list[str]] = {"rejected": [], "ttl": [], "count": []}
             for c in waiting:
@@ -313,68 +295,39 @@ class LiveCalls:
             return state.counts()
 
     def ready(self, store: ModelStore, group_size: int) -> int:
-        with self._lock:
-            return len(self._of(store).ready_groups(group_size))
+        with self._logs.lock:
+            return len(self._logs.of(store).ready_groups(group_size))
 
     def has_batch(self, store: ModelStore, batch: str) -> bool:
-        with self._lock:
-            return batch in self._of(store).taken
+        with self._logs.lock:
+            return batch in self._logs.of(store).taken
 
     def take(self, store: ModelStore, n_groups: int, group_size: int, batch: str
              ) -> list[list[ExternalRollout]]:
         """Up to ``n_groups`` ready groups, marked taken (one fsynced event); a ``batch`` id
         taken before gets the same groups again."""
         validate_name("batch id", batch)
-        with self._lock:
-            state = self._of(store)
-            if batch in state.taken:
-                ids = state.taken[batch]
-            else:
-                ids = state.ready_groups(group_size)[:n_groups]
-                if not ids:
-                    return []
-                state.write({"event": "taken", "batch": batch, "groups": ids, "at": time.time()})
+        with self._logs.lock:
+            state = self._logs.of(store)
+            ids = state.take(batch, lambda: state.ready_groups(group_size)[:n_groups], 1)
             return [[state.calls[i].as_rollout(group_size) for i in group] for group in ids]
 
     def rewards_since(self, store: ModelStore, since: float) -> dict[str, float]:
         """Rollout id -> reward of the live calls served from ``since`` on that have one."""
-        with self._lock:
-            return {c.rollout_id: c.reward for c in self._of(store).calls.values()
+        with self._logs.lock:
+            return {c.rollout_id: c.reward for c in self._logs.of(store).calls.values()
                     if c.at >= since and c.reward is not None}
 
     def counts(self, store: ModelStore) -> dict[str, int]:
-        with self._lock:
-            return self._of(store).counts()
-
-    # --- routes ----------------------------------------------------------------------------
+        with self._logs.lock:
+            return self._logs.of(store).counts()
 
     def install(self, app: FastAPI, answer_error: Callable[[TracerlError], JSONResponse]
                 ) -> None:
-        """Add the feedback routes to the gateway's ``app`` (under its API key)."""
-
-        async def post(request: Request, response_id: str) -> Any:
-            try:
-                raw = await read_limited_body(request, MAX_BODY_BYTES)
-                try:
-                    body = parse_json_object(raw or b"{}")
-                except RequestError as e:
-                    raise invalid("body", str(e)) from None
-                reward, metrics = _feedback(body)
-                _valid_id(response_id)
-                call = await asyncio.to_thread(self.feedback, response_id, reward, metrics)
-                return call.view()
-            except TracerlError as e:
-                return answer_error(e)
-
-        async def get(request: Request, response_id: str) -> Any:
-            try:
-                _valid_id(response_id)
-                return self.view(response_id)
-            except TracerlError as e:
-                return answer_error(e)
-
-        app.add_api_route("/v1/feedback/{response_id}", post, methods=["POST"])
-        app.add_api_route("/v1/feedback/{response_id}", get, methods=["GET"])
+        """Serve the feedback routes (:data:`router`) on the gateway's ``app`` (under its API
+        key); errors are answered by ``answer_error``."""
+        app.state.live_calls, app.state.live_calls_errors = self, answer_error
+        app.include_router(router)
 
 
 EXPIRY_REASONS = {
@@ -389,3 +342,40 @@ def _valid_id(response_id: str) -> None:
         validate_name("response id", response_id)
     except ConfigError as e:
         raise invalid("response_id", str(e)) from None
+
+
+# --- routes ----------------------------------------------------------------------------------
+
+router = APIRouter()
+
+
+def _live(request: Request) -> tuple[LiveCalls, Callable[[TracerlError], JSONResponse]]:
+    """The gateway's live calls and its error answer (set by :meth:`LiveCalls.install`)."""
+    return request.app.state.live_calls, request.app.state.live_calls_errors
+
+
+@router.post("/v1/feedback/{response_id}")
+async def post_feedback(request: Request, response_id: str) -> Any:
+    live, answer_error = _live(request)
+    try:
+        raw = await read_limited_body(request, MAX_BODY_BYTES)
+        try:
+            body = parse_json_object(raw or b"{}")
+        except RequestError as e:
+            raise invalid("body", str(e)) from None
+        reward, metrics = _feedback(body)
+        _valid_id(response_id)
+        call = await asyncio.to_thread(live.feedback, response_id, reward, metrics)
+        return call.view()
+    except TracerlError as e:
+        return answer_error(e)
+
+
+@router.get("/v1/feedback/{response_id}")
+async def get_feedback(request: Request, response_id: str) -> Any:
+    live, answer_error = _live(request)
+    try:
+        _valid_id(response_id)
+        return live.view(response_id)
+    except TracerlError as e:
+        return answer_error(e)

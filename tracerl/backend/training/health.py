@@ -33,6 +33,7 @@ from typing import Any
 
 from ...core.storage import ModelStore, append_jsonl, atomic_write_text, read_jsonl
 from ...core.trajectory import TrajectoryGroup
+from ..rollout_log import late_calls_path, pending_rollout_ids
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +121,6 @@ def unattributed_calls(store: ModelStore) -> dict[str, float]:
 def late_calls(store: ModelStore) -> dict[str, float]:
     """Calls that arrived for a rollout-API rollout after it was finished (recorded apart),
     since the previous training step."""
-    from ..gateway.rollout_api import late_calls_path  # (loads the web framework: not at import)
-
     return _since_last_step(store, late_calls_path(store), "late_calls")
 
 
@@ -139,8 +138,6 @@ def orphan_calls(store: ModelStore, groups: Iterable[TrajectoryGroup]) -> dict[s
     far holds it, and it is no rollout-API rollout waiting to be handed out) is counted once,
     with all its calls. A client that sends made-up ``x-rollout-id`` values, or rollouts
     whose groups were dropped, show up here."""
-    from ..gateway.rollout_api import pending_rollout_ids
-
     calls_dir = store.root / "calls"
     claim_rollouts(store, groups)
     state_path = calls_dir / ORPHANS
