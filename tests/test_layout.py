@@ -136,7 +136,8 @@ def find_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 # backend's rooms -> the rooms each may import (besides itself). A module directly in backend/
 # is a shared leaf when listed here, else part of the facade on top (``local.py`` and the
 # modules it is made of); compat aliases are exempt.
-BACKEND_LEAVES = {"chat_template", "weights", "publishing", "object_sync", "rollout_log"}
+BACKEND_LEAVES = {"chat_template", "weights", "publishing", "object_sync", "rollout_log",
+                  "heap"}
 BACKEND_ALLOWED = {
     "leaf": set(),
     "protocols": {"leaf"},

@@ -9,6 +9,7 @@ below it, ``tests/test_layout.py`` checks):
 - ``object_sync.py``: a model's folder pushed to and pulled from object storage (S3 via fsspec),
   to resume training on another machine (ART's ``_experimental_push_to_s3`` / ``_pull_from_s3``).
 - ``rollout_log.py``: the per-model event logs the trainer takes groups from, and rollout files.
+- ``heap.py``: objects alive after start-up frozen out of the garbage collector's walks.
 - ``protocols/``: every API served (chat, completions, Responses, Anthropic Messages, plugins'),
   each rendered on the engine's chat or completions call; ``registry.py`` finds them.
 - ``engines/``: vLLM (a server subprocess) and transformers (in process) behind ``Engine``;
@@ -19,6 +20,9 @@ below it, ``tests/test_layout.py`` checks):
   token-exactly; the rollout API for outside services.
 - ``online/``: online mode: live calls and their feedback, the online loop, release control and
   its gates; it reaches the gateway through a narrow seam.
+- ``policies.py``, ``registration.py``, ``step_runner.py`` (above the rooms, below
+  ``local.py``): the trained policies kept in memory; a model registered on the engine of
+  its weights and a gateway route; training steps, one at a time, past the same guards.
 - ``local.py``: ``LocalBackend``, the facade on top, which holds the resources: gateway,
   engines, policies.
 

@@ -1,30 +1,26 @@
-"""``LocalBackend``: gateway, engine and trainer in this process (the gateway in a thread).
+"""``LocalBackend``: gateway, engines and trainer in this process (the gateway in a thread).
 
-The gateway runs its own event loop in a background thread, so rollouts on the caller's loop
-and engine work never block each other; training runs in a worker thread.
+A facade over the rooms below: registration (:mod:`.registration`) puts a model on the engine
+of its weights and a gateway route; its steps run one at a time (:mod:`.step_runner`) on the
+policies kept in memory (:mod:`.policies`); the gateway serves on its own loop in a thread
+(:mod:`.gateway.server_thread`), so rollouts on the caller's loop and engine work never block
+each other; training runs in a worker thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import gc
 import logging
-import socket
-import threading
-import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Coroutine, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from ..core import settings
 from ..core.backend import Backend, InferenceEndpoint, LocalTrainResult, TrainEvent, TrainResult
-from ..core.config import DistributedTrainerConfig, EngineConfig, TrainConfig, TrainSFTConfig
-from ..core.engine import Engine, EngineError, EngineSpec
-from ..core.errors import ConfigError, RankFailedError, StepsFailedError, TrainingError
+from ..core.config import DistributedTrainerConfig, TrainConfig, TrainSFTConfig
+from ..core.errors import ConfigError
 from ..core.model_spec import ModelLike, ModelSpec, spec_of
 from ..core.net import is_loopback
-from ..core.release_log import ReleaseLog
 from ..core.spans import Span
 from ..core.storage import ModelStore, check_history_metrics
 from ..core.trajectory import (
@@ -34,28 +30,23 @@ from ..core.trajectory import (
     read_groups_jsonl,
     write_groups_jsonl,
 )
-from ..core.watchdog import watch
 from ..events.hookspecs import hookimpl
-from ..events.plugins import collect_classes
-from .engines.replica_set import build_engine
-from .publishing import AdapterPublisher
+from .gateway.server_thread import GatewayThread
+from .heap import freeze_long_lived_objects
+from .policies import PolicyCache
+from .registration import Registrar
+from .step_runner import StepRunner, registered
 from .training.health import claim_rollouts
 from .training.rows import check_token_records
 from .training.sft import sft_step
 from .training.step import train_step
 
 if TYPE_CHECKING:
-    from .gateway.served import ServedModel
-    from .training.adapters import SharedBase
     from .training.distributed import DistributedPolicy
     from .training.trainer import Trainer
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
-
-# EngineConfig fields saying where inference runs: the operator's to set (`tracerl serve`)
-PLACEMENT_FIELDS = ("replicas", "replicas_per_gpu", "gpus_per_replica", "replica_urls",
-                    "replica_failure", "publish_dir", "publish_mount")
 
 
 @hookimpl
@@ -63,133 +54,23 @@ def tracerl_backends() -> list[type]:
     return [LocalBackend]
 
 
-def choose_engine(requested: str) -> type[Engine]:
-    """The engine class for 'vllm', 'transformers', a plugin's name, or 'auto'."""
-    engines = collect_classes("tracerl_engines")
-    if requested == "auto":
-        requested = settings.TRACERL_ENGINE.get() or requested
-    if requested == "auto":
-        for name in ("vllm", "transformers"):
-            if name in engines and engines[name].available():
-                return engines[name]
-        raise EngineError(
-            "no inference engine is available: install vLLM or torch+transformers+peft"
-        )
-    if requested not in engines:
-        raise ConfigError(f"unknown engine {requested!r}; available: {sorted(engines)}")
-    if not engines[requested].available():
-        raise EngineError(f"engine {requested!r} is not available here (missing packages)")
-    return engines[requested]
-
-
-class _GatewayThread:
-    """uvicorn serving the gateway app on its own loop in a daemon thread."""
-
-    def __init__(self, app: Any, host: str, port: int, api_key: str | None = None) -> None:
-        import uvicorn
-
-        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
-        self.host, self.port = host, self.sock.getsockname()[1]
-        from .gateway.http_limits import uvicorn_options
-
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                **uvicorn_options(api_key))
-        self.server = uvicorn.Server(config)
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self._run, name="tracerl-gateway", daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise EngineError(f"the gateway did not start on {host}:{port}")
-            time.sleep(0.01)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_until_complete(self.server.serve(sockets=[self.sock]))
-
-    async def call(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` on the gateway loop and await its result from any loop."""
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.sock.close()
-
-
-class _ServingOnGateway:
-    """A model's engine and route, driven from a training step (on the gateway's loop)."""
-
-    def __init__(self, gateway: _GatewayThread, route: ServedModel, engine: Engine,
-                 publisher: AdapterPublisher | None = None, sleeps: bool = True) -> None:
-        self.gateway, self.route, self.engine = gateway, route, engine
-        self.publisher = publisher
-        self.sleeps = sleeps  # False: another model of the step puts this engine to sleep
-
-    async def sleep(self) -> None:
-        if self.sleeps:
-            await self.gateway.call(self.engine.sleep())
-
-    async def wake_up(self) -> None:
-        if self.sleeps:
-            await self.gateway.call(self.engine.wake_up())
-
-    async def publish(self, step: int, adapter: Path) -> None:
-        """Write ``policy@step`` to the publish location (if one is set), load it on every
-        server, then delete published versions no longer resident."""
-        if self.publisher is None:
-            await self.gateway.call(self.route.swap_adapter(step, adapter))
-            return
-        name = self.route.key  # project/name: two projects' `agent` publish apart
-        served = await asyncio.to_thread(self.publisher.publish, name, step, adapter)
-        await self.gateway.call(self.route.swap_adapter(step, served))
-        keep = set(self.route.versions) | {step}
-        await asyncio.to_thread(self.publisher.retire, name, keep)
-
-
-def freeze_long_lived_objects() -> bool:
-    """Move every object alive now (modules, the model, the engine's state) out of the cyclic
-    garbage collector's sight (:func:`gc.freeze`), as vLLM's server does after start-up.
-
-    Each gateway call decodes an engine reply of ~1,000 containers; the collections those
-    allocations trigger walked the whole heap again and again, and were most of the gateway's CPU
-    (``benchmarks/rollout_throughput.py`` over ``benchmarks/instant_vllm``: 2x calls per second
-    once frozen). Each call first unfreezes and collects, so what an earlier freeze held and has
-    since become garbage (a dropped engine, say) is reclaimed then. ``TRACERL_GC_FREEZE=0``
-    leaves the collector as it is. Returns whether it froze (and so collected).
-    """
-    if not settings.TRACERL_GC_FREEZE.get():
-        return False
-    gc.unfreeze()
-    gc.collect()
-    gc.freeze()
-    log.debug("froze %d long-lived objects", gc.get_freeze_count())
-    return True
-
-
 class LocalBackend(Backend):
-    """Serve and train models on this machine: the gateway, one engine per served base model
-    and one policy (trainer) per trained model. The step itself is
-    :func:`tracerl.backend.training.step.train_step`.
+    """Serve and train models on this machine: the gateway, one engine per served weights
+    (:mod:`.registration`) and one policy per trained model (:mod:`.policies`), its steps run
+    one at a time (:mod:`.step_runner`; the GRPO step is :func:`.training.step.train_step`).
 
-    ART's ``in_process`` is accepted for ported scripts: here the gateway and trainer always run
-    in this process and vLLM in a subprocess of its own, whichever value it has.
+    ART's ``in_process`` is accepted for ported scripts: the gateway and trainer always run in
+    this process (vLLM in a subprocess of its own), whichever value it has.
+    ``trainer=DistributedTrainerConfig(...)`` trains with torch.distributed ranks (DDP or FSDP2)
+    started by a launcher plugin (``local``: torchrun; ``ray``: Ray actors, which then host the
+    inference engines too) instead of in this process.
 
-    ``trainer=DistributedTrainerConfig(...)`` trains with torch.distributed ranks (DDP or
-    FSDP2) started by a launcher plugin (``local``: torchrun; ``ray``: Ray actors, which then
-    host the inference engines too) instead of in this process.
-
-    Trained models that share a base model, LoRA shape and chat template share one copy of
-    the base weights in the trainer (:mod:`tracerl.backend.training.adapters`): each keeps its
-    own adapter, optimizer state, step, checkpoints and history, and :meth:`train_many` trains
-    several of them in shared passes.
-
-    ``resident_policies`` bounds how many policies' base weights stay in memory (models sharing
-    a base count once): loading one more first closes the least recently trained one, whose
-    models later resume exactly from their newest checkpoints (adapter and optimizer state).
+    Trained models that share a base model, LoRA shape and chat template share one copy of the
+    base weights (:mod:`.training.adapters`): each keeps its own adapter, optimizer state, step,
+    checkpoints and history, and :meth:`train_many` trains several in shared passes.
+    ``resident_policies`` bounds how many base weights stay in memory: loading one more first
+    closes the least recently trained, whose models later resume exactly from their newest
+    checkpoints (adapter and optimizer state).
     """
 
     name = "local"
@@ -203,38 +84,44 @@ class LocalBackend(Backend):
         from .gateway.app import Gateway
 
         del in_process
-        if resident_policies < 1:
-            raise ConfigError(f"resident_policies must be at least 1, not {resident_policies}")
-        self.resident_policies = resident_policies
+        self.policies = PolicyCache(trainer, resident_policies)
         if not is_loopback(host) and not api_key:
             raise ConfigError(f"binding the gateway to {host} needs an api_key "
                               "(loopback is the default)")
         self.path = Path(path if path is not None else ".tracerl").expanduser().resolve()
         self.host, self.port = host, port
         self.api_key = api_key
-        self.engine_override = engine
-        if placement is not None:  # validated now, not at the first registration
-            unknown = set(placement) - set(PLACEMENT_FIELDS)
-            if unknown:
-                raise ConfigError(f"placement: unknown fields {sorted(unknown)}")
-            EngineConfig(**placement)
-        self.placement = placement
-        self.heartbeat_s = heartbeat_s
         self.trainer = trainer
         self.gateway = Gateway(api_key=api_key)
-        self._thread: _GatewayThread | None = None
-        self._engines: dict[tuple[Path, str, str], Engine] = {}
+        self.registrar = Registrar(self.gateway, self.call_on_gateway, engine=engine,
+                                   placement=placement, trainer=trainer)
+        self.steps = StepRunner(self.gateway.models, self.store, self.policies,
+                                self.call_on_gateway, heartbeat_s)
+        self._thread: GatewayThread | None = None
         self._stores: dict[str, ModelStore] = {}
-        self._policies: dict[str, Trainer | DistributedPolicy] = {}
-        self._bases: dict[tuple[Path, str, str | None], SharedBase] = {}
-        self._train_from: dict[str, int] = {}  # model folder -> its next step starts from
-        self._train_lock = asyncio.Lock()
+
+    @property
+    def resident_policies(self) -> int:
+        """How many policies' base weights stay in memory (models sharing a base count once)."""
+        return self.policies.resident
+
+    @resident_policies.setter
+    def resident_policies(self, count: int) -> None:
+        self.policies.resident = count
+
+    @property
+    def _policies(self) -> dict[str, Trainer | DistributedPolicy]:
+        """The policies in memory by model folder (tests look at them: no public handle)."""
+        return self.policies.loaded
+
+    def _policy(self, model: ModelSpec) -> Trainer | DistributedPolicy:
+        return self.steps.load_policy(model)
 
     # --- resources -------------------------------------------------------------------------
 
-    def _gateway(self) -> _GatewayThread:
+    def _gateway(self) -> GatewayThread:
         if self._thread is None:
-            self._thread = _GatewayThread(self.gateway.app, self.host, self.port, self.api_key)
+            self._thread = GatewayThread(self.gateway.app, self.host, self.port, self.api_key)
         return self._thread
 
     def run_sync(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
@@ -269,166 +156,23 @@ class LocalBackend(Backend):
             self._stores[model.key] = ModelStore(self.path, model.project, model.name)
         return self._stores[model.key]
 
-    async def _engine_for(self, model: ModelSpec, model_path: Path) -> Engine:
-        """The engine serving ``model_path`` the way ``model`` wants (started on first use);
-        models share an engine only when they serve the same weights the same way."""
-        key = (model_path, model.config.engine.model_dump_json(),
-               model.config.lora.model_dump_json())
-        engine = self._engines.get(key)
-        if engine is None:
-            cls = None if model.config.engine.replica_urls else choose_engine(
-                self.engine_override or model.config.engine.engine)
-            spec = EngineSpec(model_path=model_path, served_name=model_path.name,
-                              config=model.config.engine, lora=model.config.lora)
-            engine = None
-            if self.trainer is not None and cls is not None:  # Ray: replicas in actors
-                from .training.distributed import make_launcher
-
-                engine = make_launcher(self.trainer).engine(cls, spec)
-            if engine is None:
-                engine = build_engine(cls, spec)
-            with watch("engine_start", f"{engine.name} engine start for {model_path.name}",
-                       lambda: "the engine has not answered since it was started"):
-                await self._gateway().call(engine.start())
-            self._engines[key] = engine
-        return engine
-
-    def _placed(self, model: ModelLike) -> ModelSpec:
-        """``model`` with this backend's placement (replicas, publish location) in place of its
-        own, when the backend has one (``tracerl serve``: clients do not choose servers)."""
-        model = spec_of(model)
-        if self.placement is None:
-            return model
-        engine = EngineConfig(**{**model.config.engine.model_dump(),
-                                 **{f: EngineConfig.model_fields[f].get_default(
-                                     call_default_factory=True) for f in PLACEMENT_FIELDS},
-                                 **self.placement})
-        return model.model_copy(update={"config": model.config.model_copy(
-            update={"engine": engine})})
-
-    @staticmethod
-    def _publisher(model: ModelSpec) -> AdapterPublisher | None:
-        """Where ``model``'s adapters are published for the servers (None: its checkpoints)."""
-        engine = model.config.engine
-        return AdapterPublisher(engine.publish_dir, engine.publish_mount) \
-            if engine.publish_dir else None
-
-    def _policy(self, model: ModelSpec) -> Trainer | DistributedPolicy:
-        """The trained policy of ``model`` (loaded on first use, from its newest checkpoint):
-        an adapter on the base it shares with the models of the same base and LoRA shape."""
-        from .training.adapters import SharedBase
-        from .training.distributed import start_distributed_policy
-        from .training.trainer import Trainer, unsloth_usable
-
-        store = self.store(model)
-        key = str(store.root)
-        if key in self._policies:  # the most recently trained model goes last
-            self._policies[key] = self._policies.pop(key)
-            return self._policies[key]
-        start = self._train_from.pop(key, None)
-        step = store.latest_step() if start is None else start
-        checkpoint = store.checkpoint_dir(step) if step > 0 else None
-        model_path = self.gateway.models[model.key].engine.spec.model_path
-        chat_template = model.config.engine.chat_template
-        if self.trainer is not None:
-            self._close_least_recent_policies(len(self._holders()) + 1 - self.resident_policies)
-            self._policies[key] = start_distributed_policy(
-                self.trainer, model_path, model.config.lora, checkpoint, chat_template,
-                store.root / "logs" / "trainer-ranks.log")
-        elif unsloth_usable():  # pragma: no cover - GPU only; Unsloth patches its own model
-            self._close_least_recent_policies(len(self._holders()) + 1 - self.resident_policies)
-            self._policies[key] = Trainer(model_path=model_path, lora=model.config.lora,
-                                          adapter_path=checkpoint, chat_template=chat_template)
-        else:
-            base_key = (model_path, model.config.lora.model_dump_json(), chat_template)
-            shared = self._bases.get(base_key)
-            if shared is None or shared.closed:
-                self._close_least_recent_policies(
-                    len(self._holders()) + 1 - self.resident_policies)
-                shared = self._bases[base_key] = SharedBase(
-                    model_path, model.config.lora, chat_template=chat_template)
-            self._policies[key] = shared.attach(checkpoint)
-        return self._policies[key]
-
-    def _holders(self) -> list[list[str]]:
-        """The loaded policies' keys by what holds their base weights (a shared base, or a
-        policy of its own), the least recently trained holder first."""
-        holders: dict[int, list[str]] = {}
-        for key, policy in self._policies.items():  # least recently trained first
-            holder = holders.setdefault(id(getattr(policy, "shared", policy)), [])
-            holder.append(key)
-        return sorted(holders.values(), key=lambda keys: list(self._policies).index(keys[-1]))
-
-    def _close_policy(self, key: str) -> None:
-        """Close the policy of model folder ``key``, if loaded: it reloads from its newest
-        checkpoint when it trains again."""
-        policy = self._policies.pop(key, None)
-        if policy is not None:
-            policy.close()
-        self._bases = {k: b for k, b in self._bases.items() if not b.closed}
-
-    async def train_from(self, model: ModelLike, step: int) -> None:
-        """The model's next training step starts from checkpoint ``step`` (0: the base model)
-        instead of its newest one: after a candidate was rolled back, training goes on from
-        the incumbent. The policy in memory, if any, is closed."""
-        store = self.store(model)
-        if step > 0 and step not in store.checkpoint_steps():
-            raise ConfigError(f"{store.root.name} has no checkpoint {step} to train from")
-        key = str(store.root)
-        self._train_from[key] = step
-        await asyncio.to_thread(self._close_policy, key)
-
-    def _close_least_recent_policies(self, count: int) -> None:
-        """Close the policies of the ``count`` least recently trained base weights in memory
-        and reclaim it (their models reload from their checkpoints when they train again)."""
-        if count <= 0:
-            return
-        for keys in self._holders()[:count]:
-            for key in keys:
-                log.info("closing the policy of %s to keep %d in memory; it resumes from its "
-                         "newest checkpoint when it trains again", key, self.resident_policies)
-                self._close_policy(key)
-        if not freeze_long_lived_objects():  # frozen or not, the closed policies are collected
-            gc.collect()
-
-    # --- Backend API -----------------------------------------------------------------------
-
     async def register(self, model: ModelLike) -> InferenceEndpoint:
-        from .gateway.served import ServedModel
-        from .weights import resolve_base_model
-
-        model = self._placed(model)
+        model = self.registrar.placed(model)
         if not model.trainable and not model.base_model:
             # a comparison model served elsewhere (ART's `art.Model(inference_base_url=...)`):
             # registered for logging only; it keeps its own endpoint
             self.store(model).write_definition(model.definition())
             return InferenceEndpoint("", "", model.name)
-        if not model.base_model:
-            raise ConfigError(f"model {model.key} has no base_model to serve")
-        store = self.store(model)
-        store.recover()  # partial checkpoints go; a crash-lost history line comes back
-        store.write_definition(model.definition())
-        model_path = await asyncio.to_thread(resolve_base_model, model.base_model)
-        engine = await self._engine_for(model, model_path)
-        if engine.spec.served_name == model.name:
-            raise ConfigError(f"model name {model.name!r} collides with its base model's "
-                              "served name")
-        existing = self.gateway.models.get(model.key)
-        if existing is None or existing.store.root != store.root:
-            self.gateway.add_model(ServedModel(
-                name=model.name, engine=engine, store=store,
-                resident=model.config.engine.resident_adapters))
-        route = self.gateway.models[model.key]
-        step = store.latest_step()
-        if ReleaseLog(store.root).exists():  # release control: the committed incumbent
-            from .online.release import attach
-
-            await self._gateway().call(attach(route))
-        elif step > 0 and route.step != step:
-            await self._gateway().call(route.swap_adapter(step, store.checkpoint_dir(step)))
+        await self.registrar.serve(model, self.store(model))
         freeze_long_lived_objects()
         return InferenceEndpoint(self.base_url, self.api_key or "tracerl-local",
                                  self.inference_name(model))
+
+    async def train_from(self, model: ModelLike, step: int) -> None:
+        """The model's next training step starts from checkpoint ``step`` (0: the base model)
+        instead of its newest one: after a candidate was rolled back, training goes on from
+        the incumbent. The policy in memory, if any, is closed."""
+        await self.policies.start_from(self.store(model), step)
 
     def inference_name(self, model: ModelLike) -> str:
         """The model name callers send for registered ``model``: ``project/name`` (see
@@ -439,13 +183,7 @@ class LocalBackend(Backend):
         """Serve checkpoint ``step`` of registered ``model`` under its name (a held-out
         evaluation of an older step, ``tracerl eval``); ``register`` again serves the newest.
         Step 0 is the base model, always served as ``NAME@0``."""
-        store = self.store(model)
-        steps = store.checkpoint_steps()
-        if step not in steps:
-            raise ConfigError(f"model {spec_of(model).key} has no checkpoint of step {step}; "
-                              f"checkpoints: {steps or 'none'} (0 is the base model: NAME@0)")
-        route = self.gateway.models[spec_of(model).key]
-        await self._gateway().call(route.swap_adapter(step, store.checkpoint_dir(step)))
+        await self.registrar.serve_step(spec_of(model), self.store(model), step)
 
     async def pending_groups(self, model: ModelLike) -> list[TrajectoryGroup]:
         """Groups saved for a step whose training never finished (a crash): train on them again
@@ -514,7 +252,7 @@ class LocalBackend(Backend):
 
         store = self.store(model)
         url = model_url(store, bucket=s3_bucket, prefix=prefix)
-        async with self._train_lock:
+        async with self.steps.lock:
             result = await asyncio.to_thread(push, store, url, delete=delete,
                                              storage_options=storage_options)
         if verbose:
@@ -535,23 +273,15 @@ class LocalBackend(Backend):
 
         if only_step is None:
             only_step = step if step is not None else ("latest" if latest_only else None)
-        spec = self._placed(model)
+        spec = self.registrar.placed(model)
         store = self.store(spec)
         url = model_url(store, bucket=s3_bucket, prefix=prefix)
-        async with self._train_lock:
+        async with self.steps.lock:
             result = await asyncio.to_thread(
                 pull, store, url, only_step=only_step, exclude=exclude or (), delete=delete,
                 storage_options=storage_options)
             store.recover()  # a checkpoint whose history line did not travel gets it back
-            # what this process holds of the model was read from the folder before the pull
-            policy = self._policies.pop(str(store.root), None)
-            if policy is not None:
-                await asyncio.to_thread(policy.close)
-            route = self.gateway.models.get(spec.key)
-            latest = store.latest_step()
-            if route is not None and latest > 0 and route.step != latest:
-                await self._gateway().call(
-                    route.swap_adapter(latest, store.checkpoint_dir(latest)))
+            latest = await self.steps.reread(spec, store)
         if verbose:
             log.info("pulled %d files from %s; newest checkpoint: step %d",
                      len(result.copied), url, latest)
@@ -571,18 +301,14 @@ class LocalBackend(Backend):
         queued or written before this passes."""
         from .weights import vocab_size
 
-        route = self.gateway.models.get(self._placed(model).key)
-        if route is None:
-            raise TrainingError(f"model {spec_of(model).key} is not registered with this "
-                                "backend")
-        spec = route.engine.spec
+        spec = registered(self.gateway.models, self.registrar.placed(model).key).engine.spec
         check_token_records(groups, vocab_size(spec.model_path), spec.config.max_model_len)
 
     async def train_events(self, model: ModelLike, groups: list[TrajectoryGroup],
                            config: TrainConfig) -> AsyncIterator[TrainEvent]:
         self.check_groups(model, groups)
-        async for event in self._run_step(model, functools.partial(train_step, groups=groups,
-                                                                   config=config)):
+        async for event in self.steps.run(self.registrar.placed(model), functools.partial(
+                train_step, groups=groups, config=config)):
             yield event
 
     async def train_sft(self, model: ModelLike, trajectories: list[Trajectory],
@@ -592,109 +318,29 @@ class LocalBackend(Backend):
             raise ConfigError("SFT steps run on the one-process trainer; this backend's "
                               "distributed trainer (LocalBackend(trainer=...)) trains GRPO only")
         result = TrainResult(step=0)
-        async for event in self._run_step(model, functools.partial(
+        async for event in self.steps.run(self.registrar.placed(model), functools.partial(
                 sft_step, trajectories=trajectories, config=config)):
             if event.kind == "done":
                 result = TrainResult(event.step, dict(event.metrics))
         return result
 
-    async def _run_step(self, model: ModelLike, step_fn: Callable[..., AsyncIterator[TrainEvent]]
-                        ) -> AsyncIterator[TrainEvent]:
-        """Run ``step_fn`` (GRPO's ``train_step`` or SFT's ``sft_step``) as the model's next
-        step, one step of this backend at a time."""
-        model = self._placed(model)
-        route = self.gateway.models.get(model.key)
-        if route is None:
-            raise TrainingError(f"model {model.key} is not registered with this backend")
-        if self._train_lock.locked():
-            raise TrainingError("a training step of this backend is already running; "
-                                "await it first")
-        async with self._train_lock:
-            store = self.store(model)
-            try:
-                async for event in step_fn(
-                        step=store.latest_step() + 1, store=store,
-                        load_policy=lambda: self._policy(model),
-                        serving=_ServingOnGateway(self._gateway(), route, route.engine,
-                                                  self._publisher(model)),
-                        heartbeat_s=self.heartbeat_s):
-                    yield event
-            except RankFailedError:  # its ranks are gone: the next step starts fresh ones
-                self._policies.pop(str(store.root), None)
-                raise
-            except BaseException:  # its weights may be half-updated: reload its checkpoint
-                self._close_policy(str(store.root))
-                raise
-
     async def train_many_events(self, groups: list[tuple[ModelSpec, list[TrajectoryGroup]]],
                                 config: TrainConfig) -> AsyncIterator[tuple[str, TrainEvent]]:
         """One step of each model; the rows of models sharing a base train in shared passes
         (:mod:`tracerl.backend.training.many`)."""
-        from .training.many import ModelStep, train_many_step
-
         if self.trainer is not None:
             raise ConfigError("train_many runs on the one-process trainer; this backend's "
                               "distributed trainer (LocalBackend(trainer=...)) trains one model "
                               "a step: call model.train for each")
         if not groups:
             return
-        specs = [self._placed(spec) for spec, _ in groups]
-        for spec in specs:
-            if spec.key not in self.gateway.models:
-                raise TrainingError(f"model {spec.key} is not registered with this backend")
-        if self._train_lock.locked():
-            raise TrainingError("a training step of this backend is already running; "
-                                "await it first")
-        async with self._train_lock:
-            parts, engines = [], set()
-            for spec, (_, model_groups) in zip(specs, groups, strict=True):
-                route, store = self.gateway.models[spec.key], self.store(spec)
-                serving = _ServingOnGateway(self._gateway(), route, route.engine,
-                                            self._publisher(spec),
-                                            sleeps=id(route.engine) not in engines)
-                engines.add(id(route.engine))
-                parts.append(ModelStep(spec.key, store.latest_step() + 1, model_groups, store,
-                                       serving))
-
-            def load_policies() -> list[Any]:
-                policies = [self._policy(spec) for spec in specs]
-                if any(str(p.store.root) not in self._policies for p in parts):
-                    raise ConfigError(
-                        f"train_many: these models need more base weights in memory than "
-                        f"resident_policies={self.resident_policies}; raise it or train fewer "
-                        "models at once")
-                return policies
-
-            failed: set[str] = set()
-            try:
-                async for key, event in train_many_step(parts, config,
-                                                        load_policies=load_policies,
-                                                        heartbeat_s=self.heartbeat_s):
-                    yield key, event
-            except StepsFailedError as e:
-                failed = set(e.failed)
-                raise
-            except BaseException:
-                failed = {p.key for p in parts}
-                raise
-            finally:
-                for part in parts:  # weights maybe half-updated: reload their checkpoints
-                    if part.key in failed:
-                        self._close_policy(str(part.store.root))
+        placed = [(self.registrar.placed(spec), model_groups) for spec, model_groups in groups]
+        async for key, event in self.steps.run_many(placed, config):
+            yield key, event
 
     async def close(self) -> None:
-        for policy in self._policies.values():
-            await asyncio.to_thread(policy.close)
-        self._policies.clear()
-        self._bases.clear()
-        for engine in self._engines.values():
-            if self._thread is not None:
-                try:
-                    await self._thread.call(engine.stop())
-                except Exception:
-                    log.exception("stopping engine %s failed", engine.name)
-        self._engines.clear()
+        await self.policies.close_all()
+        await self.registrar.stop_engines(self._thread.call if self._thread else None)
         if self._thread is not None:
             self._thread.stop()
             self._thread = None
-

@@ -1,6 +1,7 @@
 """gateway: the OpenAI-compatible endpoint in front of the engines; every call recorded.
 
 In flow order (one request to its answer):
+- ``server_thread.py``: the app served by uvicorn on a loop of its own, in a daemon thread.
 - ``app.py``: :class:`Gateway`, the app and the one call handler.
 - ``http_answers.py``: OpenAI-shaped errors and the API-key check (gateway and control API).
 - ``http_limits.py``: uvicorn's h11 protocol with deadlines on request heads and stalled writes.
