@@ -53,8 +53,8 @@ from pyspy import start_profile, top_frames
 
 import tracerl
 from tracerl.backend.engines.vllm_engine import engine_connector, vllm_python
-from tracerl.backend.local import freeze_long_lived_objects
 from tracerl.backend.gateway.recorder import CallStore, inject_training_fields
+from tracerl.backend.local import freeze_long_lived_objects
 
 Post = Callable[[str, dict, dict], Awaitable[dict]]
 

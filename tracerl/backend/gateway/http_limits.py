@@ -5,8 +5,8 @@ on a fresh connection, so an idle connection, or one that sends its headers a by
 holds a slot forever (thousands of them turn every call into 503 at ``limit_concurrency``).
 :class:`BoundedH11Protocol` closes a connection whose request head has not arrived whole within
 ``HEAD_TIMEOUT_S`` of the connection opening or of the previous response ending. Bodies have their
-own deadline (:func:`~tracerl.backend.gateway.request_body.read_limited_body`); headers are limited in
-size by h11 (``h11_max_incomplete_event_size``).
+own deadline (:func:`~tracerl.backend.gateway.request_body.read_limited_body`); headers are
+limited in size by h11 (``h11_max_incomplete_event_size``).
 
 A response that a client stops reading fills the socket's buffers, and uvicorn then waits for
 them to drain, for ever: a client that never reads a large answer (a long stream, a history)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .replies import caller_wants_logprobs, strip_for_caller
 from .base import Endpoint, Exchange, Protocol
+from .replies import caller_wants_logprobs, strip_for_caller
 
 DONE = b"data: [DONE]\n\n"
 
