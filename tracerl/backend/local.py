@@ -45,6 +45,8 @@ from .training.sft import sft_step
 from .training.step import train_step
 
 if TYPE_CHECKING:
+    from .gateway.recorder import CallStore
+    from .gateway.rollout_api import ExternalRollouts
     from .gateway.served import ServedModel
     from .training.adapters import SharedBase
     from .training.distributed import DistributedPolicy
@@ -201,6 +203,8 @@ class LocalBackend(Backend):
                  trainer: DistributedTrainerConfig | None = None,
                  resident_policies: int = 2) -> None:
         from .gateway.app import Gateway
+        from .gateway.served import ModelTable
+        from .online.live_calls import LiveCalls
 
         del in_process
         if resident_policies < 1:
@@ -221,7 +225,9 @@ class LocalBackend(Backend):
         self.placement = placement
         self.heartbeat_s = heartbeat_s
         self.trainer = trainer
-        self.gateway = Gateway(api_key=api_key)
+        models = ModelTable()  # the gateway's routes; online mode's live calls read them too
+        self.live_calls = LiveCalls(models)  # online mode (online/seam.py): handed to the gateway
+        self.gateway = Gateway(api_key=api_key, models=models, live=self.live_calls)
         self._thread: _GatewayThread | None = None
         self._engines: dict[tuple[Path, str, str], Engine] = {}
         self._stores: dict[str, ModelStore] = {}
@@ -261,6 +267,22 @@ class LocalBackend(Backend):
         t = self._gateway()
         host = f"[{t.host}]" if ":" in t.host else t.host
         return f"http://{host}:{t.port}/v1"
+
+    # --- what online mode and release control ask of the backend (online/seam.py) ---------
+
+    def served(self, model: ModelLike) -> ServedModel:
+        """The gateway's route of registered ``model`` (its routing, versions and store)."""
+        return self.gateway.models[spec_of(model).key]
+
+    @property
+    def rollouts(self) -> ExternalRollouts:
+        """The rollout API's rollouts (services outside this process)."""
+        return self.gateway.rollouts
+
+    @property
+    def call_store(self) -> CallStore:
+        """Where the gateway keeps recorded calls."""
+        return self.gateway.calls
 
     def store(self, model: ModelLike) -> ModelStore:
         """The folder of ``model`` under this backend's path."""
@@ -421,7 +443,7 @@ class LocalBackend(Backend):
         route = self.gateway.models[model.key]
         step = store.latest_step()
         if ReleaseLog(store.root).exists():  # release control: the committed incumbent
-            from .online.release import attach
+            from .gateway.releases import attach
 
             await self._gateway().call(attach(route))
         elif step > 0 and route.step != step:
