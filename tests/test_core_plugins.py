@@ -449,7 +449,7 @@ def test_one_call_enters_each_module_of_its_path_at_most_twice(plugin_site, tmp_
     plain = collections.Counter(module for module, _ in paths["plain"])
     assert max(plain.values()) <= 2, paths["plain"]
     assert [f for _, f in paths["plain"]][-4:] == [
-        "SwapLock.release_read", "PassThrough.answer", "CallRecording.finish",
+        "Admission.__exit__", "PassThrough.answer", "CallRecording.finish",
         "Exchange.recorded"]
     stream = collections.Counter(module for module, _ in paths["stream"])
     per_chunk = {"tracerl.backend.protocols.openai", "tracerl.backend.protocols.replies"}

@@ -157,6 +157,10 @@ BAD_REQUESTS = {
                    "not the current step"),
     "bad-step": (b'{"model": "gw@x", "messages": ' + USER_X + b"}", 404, "model_not_found",
                  "bad step"),
+    "empty-step": (b'{"model": "gw@", "messages": ' + USER_X + b"}", 404, "model_not_found",
+                   "bad step"),
+    "superscript-step": ('{"model": "gw@\u00b2", "messages": '.encode() + USER_X + b"}", 404,
+                         "model_not_found", "bad step"),  # str.isdigit() says yes; int() no
     "empty-messages": (b'{"model": "gw", "messages": []}', 400, "invalid_request",
                        "non-empty list"),
     "message-without-role": (b'{"model": "gw", "messages": [{"content": "x"}]}', 400,

@@ -90,9 +90,9 @@ async def test_a_swap_of_one_model_never_holds_another_models_calls(three, tf_ba
     adapter = await asyncio.to_thread(make_random_lora, smollm2_path, tmp_path / "next", 9)
 
     async def release() -> None:
-        route_a.swap.release_read()
+        admission.release()
 
-    await backend.call_on_gateway(route_a.swap.acquire_read(60))  # A's call in flight
+    admission = await backend.call_on_gateway(route_a.swap.admit(60))  # A's call in flight
     swap = asyncio.ensure_future(backend.call_on_gateway(route_a.swap_adapter(2, adapter)))
     try:
         await until(lambda: "a swap holds new requests" in route_a.swap.describe(),

@@ -89,7 +89,7 @@ async def test_calls_expire_by_count_and_by_age_and_are_counted(tf_backend):
         assert r.status_code == 409 and ids[0] in r.json()["error"]["message"]
         assert "expired" in r.json()["error"]["message"]
         assert (await http.post(f"/feedback/{ids[1]}", json={"reward": 0.5})).status_code == 200
-    live: LiveCalls = backend.gateway.live  # an hour on: both expire by age
+    live: LiveCalls = backend.live_calls  # an hour on: both expire by age
     counts = live.expire(store, ttl_s=3600, max_pending=100, now=time.time() + 7200)
     assert counts["expired_unrewarded"] == 2 and counts["expired_ungrouped"] == 1
     reasons = [e["reason"] for e in read_jsonl(events_path(store)) if e["event"] == "expired"]
@@ -98,7 +98,7 @@ async def test_calls_expire_by_count_and_by_age_and_are_counted(tf_backend):
 
 async def test_groups_form_by_task_key_and_a_batch_is_taken_once(tf_backend):
     backend, model, _ = await _online(tf_backend, "live-groups", group_size=2)
-    store, live = backend.store(model), backend.gateway.live
+    store, live = backend.store(model), backend.live_calls
     async with _gateway(backend) as http:
         by_task = {task: [await _call(http, model, task) for _ in range(3)]
                    for task in ("a", "b")}

@@ -9,8 +9,8 @@ import pytest
 
 import tracerl
 from tests.conftest import make_random_lora
-from tracerl.backend.online.release import ReleaseControl, canary_bucket
 from tracerl.backend.online.gates import Gates, arm_evidence, judge
+from tracerl.backend.online.release import ReleaseControl, canary_bucket
 from tracerl.core.fingerprint import adapter_digest
 from tracerl.core.release_log import ReleaseLog
 from tracerl.core.trajectory import CompletionRecord, LLMCall

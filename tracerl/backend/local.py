@@ -42,6 +42,9 @@ from .training.sft import sft_step
 from .training.step import train_step
 
 if TYPE_CHECKING:
+    from .gateway.recorder import CallStore
+    from .gateway.rollout_api import ExternalRollouts
+    from .gateway.served import ServedModel
     from .training.distributed import DistributedPolicy
     from .training.trainer import Trainer
 
@@ -82,6 +85,8 @@ class LocalBackend(Backend):
                  trainer: DistributedTrainerConfig | None = None,
                  resident_policies: int = 2) -> None:
         from .gateway.app import Gateway
+        from .gateway.served import ModelTable
+        from .online.live_calls import LiveCalls
 
         del in_process
         self.policies = PolicyCache(trainer, resident_policies)
@@ -92,7 +97,9 @@ class LocalBackend(Backend):
         self.host, self.port = host, port
         self.api_key = api_key
         self.trainer = trainer
-        self.gateway = Gateway(api_key=api_key)
+        models = ModelTable()  # the gateway's routes; online mode's live calls read them too
+        self.live_calls = LiveCalls(models)  # online mode (online/seam.py): handed to the gateway
+        self.gateway = Gateway(api_key=api_key, models=models, live=self.live_calls)
         self.registrar = Registrar(self.gateway, self.call_on_gateway, engine=engine,
                                    placement=placement, trainer=trainer)
         self.steps = StepRunner(self.gateway.models, self.store, self.policies,
@@ -148,6 +155,22 @@ class LocalBackend(Backend):
         t = self._gateway()
         host = f"[{t.host}]" if ":" in t.host else t.host
         return f"http://{host}:{t.port}/v1"
+
+    # --- what online mode and release control ask of the backend (online/seam.py) ---------
+
+    def served(self, model: ModelLike) -> ServedModel:
+        """The gateway's route of registered ``model`` (its routing, versions and store)."""
+        return self.gateway.models[spec_of(model).key]
+
+    @property
+    def rollouts(self) -> ExternalRollouts:
+        """The rollout API's rollouts (services outside this process)."""
+        return self.gateway.rollouts
+
+    @property
+    def call_store(self) -> CallStore:
+        """Where the gateway keeps recorded calls."""
+        return self.gateway.calls
 
     def store(self, model: ModelLike) -> ModelStore:
         """The folder of ``model`` under this backend's path."""

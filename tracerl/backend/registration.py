@@ -19,6 +19,7 @@ from ..core.storage import ModelStore
 from ..core.watchdog import watch
 from ..events.plugins import collect_classes
 from .engines.replica_set import build_engine
+from .gateway.releases import attach
 from .gateway.server_thread import OnGateway
 
 if TYPE_CHECKING:
@@ -155,8 +156,6 @@ async def serve_newest(route: ServedModel, store: ModelStore, on_gateway: OnGate
     committed incumbent instead."""
     step = store.latest_step()
     if ReleaseLog(store.root).exists():  # release control: the committed incumbent
-        from .online.release import attach
-
         await on_gateway(attach(route))
     elif step > 0 and route.step != step:
         await on_gateway(route.swap_adapter(step, store.checkpoint_dir(step)))

@@ -11,6 +11,8 @@ Data model:
 - ``config.py``: ``TrainConfig``, ``LoraConfig``, ``EngineConfig``, ``ModelConfig``,
   ``DistributedTrainerConfig``.
 - ``model_spec.py``: ``ModelSpec``, what a backend knows of a model.
+- ``model_name.py``: ``ModelName``, a name as callers send it (``[project/]name[@step]``),
+  parsed and written in one place.
 - ``context.py``: the current rollout (a ``ContextVar``), its observers, and call tags.
 - ``spans.py``: framework structure of a rollout, linked to its LLM calls.
 - ``trajectory.py``: token-exact call records, trajectories, groups, their JSONL form.

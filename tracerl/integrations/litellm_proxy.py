@@ -20,7 +20,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx2
@@ -28,6 +28,7 @@ import httpx2
 from ..core import settings
 from ..core.context import ROLLOUT_HEADER, TAGS_HEADER
 from ..core.errors import ConfigError
+from ..core.model_name import ModelName
 from ..core.net import free_port, start_child, stop_process_group
 from ..core.spans import POSTED_SPAN_TAG
 
@@ -151,14 +152,14 @@ def gateway_names(upstream_base_url: str, upstream_api_key: str, names: list[str
     except (httpx2.HTTPError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"could not list the models of the gateway at {upstream_base_url} "
                           f"(--backend-url, --api-key): {e!r}") from None
-    qualified = [m for m in served if "/" in m and "@" not in m]
+    qualified = [m for m in served if (n := ModelName.parse(m)).qualified and not n.pinned]
     out = {}
     for name in names:
-        base, at, step = name.partition("@")
-        matches = [m for m in qualified if base in (m, m.partition("/")[2])]
+        asked = ModelName.parse(name)
+        matches = [m for m in qualified if asked.base in (m, ModelName.parse(m).name)]
         if len(matches) == 1:
-            out[name] = matches[0] + at + step
-        elif not matches and base in served:
+            out[name] = str(replace(asked, base=matches[0]))
+        elif not matches and asked.base in served:
             out[name] = name  # the base model's own served name
         elif matches:
             raise ConfigError(f"--model {name}: several projects serve a model of that name; "

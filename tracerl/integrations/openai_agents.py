@@ -32,6 +32,7 @@ from agents.tracing import (
 from agents.tracing.processors import default_processor
 
 from ..core.context import call_tags, current_rollout
+from ..core.model_name import ModelName
 from ..core.spans import SpanKind
 from .span_recorder import SpanRecorder, short
 
@@ -202,9 +203,9 @@ class TracerlModelProvider(ModelProvider):
         served = self.model.get_inference_name()
         if not model_name:
             return served
-        base, at, step = model_name.partition("@")
-        if base not in (self.model.name, served):
+        asked = ModelName.parse(model_name)
+        if asked.base not in (self.model.name, served):
             return None
-        if not at:
+        if not asked.pinned:
             return served
-        return self.model.get_inference_name(int(step)) if step.isdigit() else model_name
+        return model_name if asked.step is None else self.model.get_inference_name(asked.step)

@@ -10,7 +10,10 @@ In flow order (one request to its answer):
   (OpenAI-style 400 naming the field) before use.
 - ``served.py``: served models, the adapter version a requested name resolves to, and the
   release routing a model carries.
-- ``swap_lock.py``: a model's calls share it; its adapter swap waits for them, holds new ones.
+- ``releases.py``: the release steps a served model takes: put under release control, a
+  candidate loaded, the incumbent moved (each in its release log before it routes).
+- ``swap_lock.py``: a model's calls share it; its adapter swap waits for them, holds new ones;
+  a call holds its share as one ``Admission``, released once.
 - ``supervisor.py``: an engine call's failure as the caller's answer; dead engines restarted.
 - ``stream_pump.py``: a streamed call, forwarded chunk by chunk and recorded by its own task.
 - ``recorder.py``: engine answers as token-exact ``LLMCall`` records, kept per rollout.

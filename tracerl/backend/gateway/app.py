@@ -5,7 +5,8 @@ One call reads straight through: the protocol that owns the route translates the
 call is admitted past any adapter swap, the engine answers (streams: :mod:`.stream_pump`), the
 recorder writes the token-exact record (:mod:`.recorder`), and the protocol renders the answer.
 Rollouts are attributed by path (``/rollouts/{id}/v1/...``) or by the ``x-rollout-id`` header;
-a plain call to a model in online mode is a live rollout of its own (:mod:`.live_calls`).
+a plain call to a model in online mode is a live rollout of its own (the gateway is handed the
+live calls, :class:`LiveTraffic`; :mod:`tracerl.backend.online.live_calls` implements them).
 Every call is recorded before the response is returned. Errors are OpenAI-shaped: bad requests
 get 4xx, an engine that is down gets 503 (and is restarted, :mod:`.supervisor`), a request that
 runs past its deadline gets 504: never a hang.
@@ -14,6 +15,7 @@ runs past its deadline gets 504: never a hang.
 from __future__ import annotations
 
 import asyncio
+import typing
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -22,7 +24,11 @@ from fastapi.responses import JSONResponse, Response
 
 from ...core.engine import CallRoute, EngineError, EngineRequestError, current_route
 from ...core.errors import RequestError, TracerlError
-from .rollout_api import ExternalRollouts
+from ...core.model_name import ModelName
+from ...core.storage import ModelStore
+from ...core.trajectory import LLMCall
+from ..protocols.base import Protocol
+from ..protocols.registry import load_protocols
 from .http_answers import (
     KeyRequired,
     bearer_key_check,
@@ -30,12 +36,10 @@ from .http_answers import (
     install_error_answers,
     openai_error,
 )
-from ..online.live_calls import LiveCalls, live_rollout_id
-from ..protocols.base import Protocol
-from ..protocols.registry import load_protocols
 from .recorder import CallStore, Recorder
 from .request_body import read_json_body
 from .request_validation import Attribution, attribution, check_request, parse_tags
+from .rollout_api import ExternalRollouts
 from .served import ModelTable, ServedModel
 from .stream_pump import stream_answer
 from .supervisor import EngineSupervisor
@@ -48,16 +52,30 @@ __all__ = ["Attribution", "Gateway", "KeyRequired", "ModelTable", "ServedModel",
 Handler = Callable[[Request, str | None], Awaitable[Response]]
 
 
-class Gateway:
-    """The gateway's state (served models, protocols, recorder, engine supervision) and app."""
+class LiveTraffic(typing.Protocol):
+    """What the gateway needs of online mode's live calls (which calls are live is the served
+    model's: :attr:`ServedModel.live`)."""
 
-    def __init__(self, api_key: str | None = None, restart_grace_s: float = 30.0) -> None:
+    def recorded(self, store: ModelStore, call: LLMCall) -> None:
+        """Told of each call once its record is on disk (a writer thread)."""
+
+    def install(self, app: FastAPI, answer_error: Callable[[TracerlError], JSONResponse]
+                ) -> None:
+        """Add the feedback routes to ``app``."""
+
+
+class Gateway:
+    """The gateway's state (served models, protocols, recorder, engine supervision) and app.
+    ``live``: online mode's live calls (their routes and the recorder's hook), None: none."""
+
+    def __init__(self, api_key: str | None = None, restart_grace_s: float = 30.0, *,
+                 models: ModelTable | None = None, live: LiveTraffic | None = None) -> None:
         self.check_auth = bearer_key_check(api_key)
-        self.models = ModelTable()
+        self.models = ModelTable() if models is None else models
         self.rollouts = ExternalRollouts(self.models)  # the rollout API for outside services
-        self.live = LiveCalls(self.models)  # online mode: production calls and their feedback
+        self.live = live  # online mode: production calls and their feedback
         self.recorder = Recorder(CallStore(divert=self.rollouts.divert_late,
-                                           after_add=self.live.recorded))
+                                           after_add=None if live is None else live.recorded))
         self.protocols: dict[str, Protocol] = {p.name: p for p in load_protocols()}
         self.supervisor = EngineSupervisor(restart_grace_s)
         self._streams: set[asyncio.Task[None]] = set()  # stream pumps in flight
@@ -83,7 +101,8 @@ class Gateway:
         app.add_middleware(KeyRequired, check=self.check_auth, exempt=("/health",))
         install_error_answers(app)
         self.rollouts.install(app, error_response)
-        self.live.install(app, error_response)
+        if self.live is not None:
+            self.live.install(app, error_response)
 
         @app.get("/health")
         async def health() -> dict[str, Any]:  # no key needed, so it tells nothing about models
@@ -119,9 +138,10 @@ class Gateway:
             body = exchange.chat_body
             who = attribution(path_rollout, request.headers)
             served, engine_model, step = self.models.route(body.get("model"), who.rollout_id)
-            if who.rollout_id is None and served.live and "@" not in body["model"]:
+            if who.rollout_id is None and served.live is not None and \
+                    not ModelName.parse(body["model"]).pinned:
                 # online mode: a plain call is a live rollout of its own (canary-routed by it)
-                who = Attribution(live_rollout_id(), who.tags)
+                who = Attribution(served.live(), who.tags)
                 served, engine_model, step = self.models.route(body["model"], who.rollout_id)
             check_request(endpoint, body,
                           max_model_len=served.engine.spec.config.max_model_len)
@@ -129,28 +149,28 @@ class Gateway:
             if streamed and not protocol.streams:
                 raise EngineRequestError(f"streaming is not supported for {protocol.name}",
                                          param="stream")
-            engine_model, step = await served.admit(engine_model, step, body["model"],
-                                                    who.rollout_id)
+            admission, engine_model, step = await served.admit(engine_model, step,
+                                                               body["model"], who.rollout_id)
         except (RequestError, EngineError) as e:  # 4xx, or 504: a swap outlasted the deadline
             return error_response(e)
         route = CallRoute(who.rollout_id)  # a replica set keeps the rollout on one server
         current_route.set(route)
         rec = self.recorder.begin(served.store, exchange, endpoint, engine_model, who, step,
                                   route)
-        if streamed:  # the pump owns the admission from here
-            return await stream_answer(served, rec, self.supervisor, self._streams)
+        if streamed:  # the pump holds the admission from here, until the stream ends
+            return await stream_answer(served, rec, admission, self.supervisor, self._streams)
 
         engine = served.engine
-        try:
-            # a request past its deadline is cancelled, in the engine too (vLLM: the HTTP
-            # request is closed, which aborts it; transformers: its sequences stop)
-            async with asyncio.timeout(served.timeout_s):
-                response = await (engine.chat(rec.engine_body) if endpoint == "chat.completions"
-                                  else engine.completions(rec.engine_body))
-        except (EngineError, TimeoutError) as e:
-            return error_response(self.supervisor.failure(e, engine, served.timeout_s))
-        finally:
-            served.swap.release_read()
+        with admission:  # held until the engine answered or failed
+            try:
+                # a request past its deadline is cancelled, in the engine too (vLLM: the HTTP
+                # request is closed, which aborts it; transformers: its sequences stop)
+                async with asyncio.timeout(served.timeout_s):
+                    response = await (engine.chat(rec.engine_body)
+                                      if endpoint == "chat.completions"
+                                      else engine.completions(rec.engine_body))
+            except (EngineError, TimeoutError) as e:
+                return error_response(self.supervisor.failure(e, engine, served.timeout_s))
         response["model"] = body["model"]
         answer = exchange.answer(response)
         recording = rec.finish(response)

@@ -1,30 +1,55 @@
 """Served models and their versions: which engine and adapter answer a requested model name.
 
 A :class:`ServedModel` is one trainable model's route (its engine, store, the adapter steps it
-serves, the lock that holds new calls while its adapter is swapped); the :class:`ModelTable` is
-the gateway's set of them, by ``project/name``, and resolves what a caller asked for. Under
-release control (:mod:`.release`) the plain name goes to the incumbent version, or to the
-candidate for the canary's share of rollouts (a sticky hash of the rollout id), and a newly
-trained version is only loaded (``NAME@N``) until it is promoted.
+serves, the lock that holds new calls while its adapter is swapped, and its routing under
+release control); the :class:`ModelTable` is the gateway's set of them, by ``project/name``,
+and resolves what a caller asked for (:class:`~tracerl.core.model_name.ModelName`). Under
+release control (:mod:`.releases`) the plain name goes to the incumbent version, or to the
+candidate for the canary's share of rollouts (a sticky hash of the rollout id,
+:class:`ReleaseRouting`), and a newly trained version is only loaded (``NAME@N``) until it is
+promoted.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ...core.engine import Engine, EngineRequestError
+from ...core.model_name import ModelName
 from ...core.storage import ModelStore
 from ...core.watchdog import watch
-from .swap_lock import SwapLock
-
-if TYPE_CHECKING:
-    from ..online.release import ReleaseRouting
+from .swap_lock import Admission, SwapLock
 
 MAX_PINNED_ROLLOUTS = 65536  # rollouts whose policy version is remembered (oldest forgotten)
+
+
+def canary_bucket(rollout_id: str) -> float:
+    """A rollout id's place in [0, 1): sticky (the same id, the same place, in every process)."""
+    return int.from_bytes(hashlib.sha256(rollout_id.encode()).digest()[:8], "big") / 2.0 ** 64
+
+
+@dataclass
+class ReleaseRouting:
+    """Which version a plain-name call gets: the incumbent, or the candidate for the canary's
+    share of rollouts (calls without a rollout id: the incumbent)."""
+
+    incumbent: int
+    candidate: int | None = None
+    share: float = 0.0
+
+    def pick(self, rollout_id: str | None) -> int:
+        if self.candidate is not None and rollout_id is not None and \
+                canary_bucket(rollout_id) < self.share:
+            return self.candidate
+        return self.incumbent
+
+    def steps(self) -> set[int]:
+        return {self.incumbent} | ({self.candidate} if self.candidate is not None else set())
 
 
 @dataclass
@@ -42,7 +67,8 @@ class ServedModel:
     versions: dict[int, Path] = field(default_factory=dict)  # resident step -> adapter path
     pins: OrderedDict[str, int] = field(default_factory=OrderedDict)  # rollout -> its version
     release: ReleaseRouting | None = None  # set: release control routes the plain name
-    live: bool = False  # online mode: each plain call gets a live rollout id (live_calls.py)
+    # set: online mode; each plain call is a live rollout with an id from it (online/live_calls)
+    live: Callable[[], str] | None = None
 
     timeout_s: float = field(init=False)  # a call's deadline (EngineConfig.request_timeout_s)
 
@@ -100,21 +126,21 @@ class ServedModel:
                     await self.engine.unload_adapter(self.lora_name(old))
 
     async def admit(self, engine_model: str, step: int | None, requested: str,
-                    rollout_id: str | None) -> tuple[str, int | None]:
-        """Count a call in, waiting (within the call's deadline) for a swap in progress; the
-        engine model name and step that serve it: those it was resolved to, or the newest when
-        the swap retired that version. The caller releases with ``self.swap.release_read()``;
+                    rollout_id: str | None) -> tuple[Admission, str, int | None]:
+        """Count a call in, waiting (within the call's deadline) for a swap in progress: its
+        :class:`~.swap_lock.Admission`, and the engine model name and step that serve it: those
+        it was resolved to, or the newest when the swap retired that version.
         :class:`~tracerl.core.engine.EngineTimeoutError` if the swap outlasts the deadline."""
-        await self.swap.acquire_read(self.timeout_s)
+        admission = await self.swap.admit(self.timeout_s)
         if step is None or (self.resident <= 1 and self.release is None) or \
-                self._resident(step) or "@" in requested:
-            return engine_model, step  # (an explicit NAME@STEP that was retired gets a 404)
-        return self.resolve(requested, rollout_id)
+                self._resident(step) or ModelName.parse(requested).pinned:
+            return admission, engine_model, step  # (a pinned step that was retired: a 404)
+        return admission, *self.resolve(requested, rollout_id)  # unpinned: resolves, never fails
 
     def lora_name(self, step: int) -> str:
         if self.resident <= 1 and self.release is None:
             return self.adapter_name
-        return f"{self.adapter_name}@{step}"
+        return str(ModelName.of(self.adapter_name, step))
 
     def _resident(self, step: int) -> bool:
         if self.release is not None:
@@ -129,23 +155,12 @@ class ServedModel:
         version is resident (the call records which one served it)."""
         if requested == self.engine.spec.served_name and requested != self.name:
             return requested, None
+        asked = ModelName.parse(requested)
         step = self.step
-        if self.release is not None and "@" not in requested:
+        if asked.pinned:
+            step = self._pinned_step(asked)
+        elif self.release is not None:
             step = self.release.pick(rollout_id)
-        elif "@" in requested:
-            _, _, raw = requested.partition("@")
-            if not raw.isdigit():
-                raise EngineRequestError(f"bad step in model name {requested!r}", status=404,
-                                         param="model", code="model_not_found")
-            if int(raw) != 0 and not self._resident(int(raw)):  # the base is always served
-                served = sorted(self.versions) if self.resident > 1 or self.release else \
-                    [self.step]
-                raise EngineRequestError(
-                    f"The model `{requested}` is not served: step {raw} is not the current step "
-                    f"({self.step}) nor resident (steps served: {served}); use `{self.key}` or "
-                    f"`{self.key}@{self.step}`",
-                    status=404, param="model", code="model_not_found")
-            step = int(raw)
         elif self.resident > 1 and rollout_id is not None:
             pinned = self.pins.get(rollout_id)
             if pinned is not None and self._resident(pinned):
@@ -157,6 +172,22 @@ class ServedModel:
         if step == 0:
             return self.engine.spec.served_name, 0
         return self.lora_name(step), step
+
+    def _pinned_step(self, asked: ModelName) -> int:
+        """The step ``NAME@STEP`` asks for; a 404 naming it when it is malformed or not served
+        (step 0, the base model, is always served)."""
+        step = asked.step
+        if step is None:
+            raise EngineRequestError(f"bad step in model name {str(asked)!r}", status=404,
+                                     param="model", code="model_not_found")
+        if step != 0 and not self._resident(step):
+            served = sorted(self.versions) if self.resident > 1 or self.release else [self.step]
+            raise EngineRequestError(
+                f"The model `{asked}` is not served: step {asked.step_text} is not the current "
+                f"step ({self.step}) nor resident (steps served: {served}); use `{self.key}` or "
+                f"`{ModelName.of(self.key, self.step)}`",
+                status=404, param="model", code="model_not_found")
+        return step
 
 
 class ModelTable(Mapping[str, ServedModel]):
@@ -191,7 +222,7 @@ class ModelTable(Mapping[str, ServedModel]):
         """Every name a caller may use (``/v1/models``), model by model."""
         ids: list[str] = []
         for m in self._models.values():
-            ids += dict.fromkeys((m.key, f"{m.key}@{m.step}",
+            ids += dict.fromkeys((m.key, str(ModelName.of(m.key, m.step)),
                                   *([m.name] if self._unique(m) else []),
                                   m.engine.spec.served_name))
         return ids
@@ -202,14 +233,14 @@ class ModelTable(Mapping[str, ServedModel]):
         it; a 4xx :class:`~tracerl.core.engine.EngineRequestError` naming ``model`` if none."""
         if not isinstance(requested, str) or not requested:
             raise EngineRequestError("you must provide a model parameter", param="model")
-        name = requested.partition("@")[0]
-        served = self._models.get(name) if "/" in name else None
-        if served is None and "/" not in name:
-            named = [m for m in self._models.values() if m.name == name]
+        asked = ModelName.parse(requested)
+        served = self._models.get(asked.base) if asked.qualified else None
+        if served is None and not asked.qualified:
+            named = [m for m in self._models.values() if m.name == asked.base]
             if len(named) > 1:
                 raise EngineRequestError(
                     f"The model `{requested}` is ambiguous: projects "
-                    f"{sorted(m.store.project for m in named)} each have a model `{name}`; "
+                    f"{sorted(m.store.project for m in named)} each have a model `{asked.base}`; "
                     f"use one of {sorted(m.key for m in named)}",
                     status=404, param="model", code="model_not_found")
             served = named[0] if named else None
@@ -224,6 +255,6 @@ class ModelTable(Mapping[str, ServedModel]):
             )
             raise EngineRequestError(f"The model `{requested}` does not exist. Served: {known}",
                                      status=404, param="model", code="model_not_found")
-        engine_model, step = served.resolve(requested.rpartition("/")[2]
-                                            if "/" in name else requested, rollout_id)
+        engine_model, step = served.resolve(str(asked.local) if asked.qualified else requested,
+                                            rollout_id)
         return served, engine_model, step

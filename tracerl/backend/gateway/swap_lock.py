@@ -1,5 +1,10 @@
 """The lock between a model's calls and its adapter swaps: calls share it; a swap waits for the
-calls in flight and holds new ones."""
+calls in flight and holds new ones.
+
+A call holds its share as an :class:`Admission` (:meth:`SwapLock.admit`), the one way the call
+path takes and gives it back: one holder at a time (the call's handler, or the pump of its
+stream), released once at the end of the holder's ``with`` block.
+"""
 
 from __future__ import annotations
 
@@ -30,6 +35,12 @@ class SwapLock:
     def readers(self) -> int:
         return self._readers
 
+    async def admit(self, timeout_s: float) -> Admission:
+        """A call's share of the lock, once no swap runs or waits (at most ``timeout_s``:
+        :class:`~tracerl.core.engine.EngineTimeoutError` after that)."""
+        await self.acquire_read(timeout_s)
+        return Admission(self)
+
     async def acquire_read(self, timeout_s: float) -> None:
         try:
             async with asyncio.timeout(timeout_s):
@@ -43,6 +54,8 @@ class SwapLock:
         self._idle.clear()
 
     def release_read(self) -> None:
+        """Give back a share taken with :meth:`acquire_read` (the call path: through its
+        :class:`Admission`)."""
         self._readers -= 1
         if self._readers <= 0:
             self._readers = 0
@@ -75,3 +88,29 @@ class SwapLock:
         finally:
             self._open.set()
             self._swapper.release()
+
+
+class Admission:
+    """One call's share of its model's :class:`SwapLock`, released once: by :meth:`release`
+    (again: nothing happens) or at the end of a ``with`` block. Releasing is synchronous, so a
+    cancelled holder cannot leave the share taken."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self, lock: SwapLock) -> None:
+        self._lock: SwapLock | None = lock
+
+    @property
+    def held(self) -> bool:
+        return self._lock is not None
+
+    def release(self) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release_read()
+
+    def __enter__(self) -> Admission:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()

@@ -7,6 +7,8 @@ In flow order:
   the incumbent and release it through canary and gates.
 - ``release.py``: release control: a trained version goes shadow -> canary (a sticky share of
   rollouts) -> promoted or rolled back, each stage in the model's release log.
+- ``seam.py``: what online mode and release control ask of the backend (typed interfaces that
+  ``LocalBackend`` satisfies): routes, live calls, rollouts, the call store, the trainer's step.
 - ``gates.py``: the gates a candidate passes: reward vs the incumbent with a confidence bound,
   error rate, p95 latency, drift monitors (pure decision rules).
 """

@@ -36,13 +36,14 @@ from ...core.model_spec import ModelSpec, spec_of
 from ...core.release_log import ReleaseState
 from ...events.lifecycle import online_batch, train_event
 from ..gateway.rollout_api import build_groups
-from .release import ReleaseControl
 from .gates import Gates, Verdict
+from .live_calls import live_rollout_id
+from .release import ReleaseControl
+from .seam import OnlineBackend
 
 if TYPE_CHECKING:
     from ...core.storage import ModelStore
     from .live_calls import LiveCalls
-    from ..local import LocalBackend
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +66,10 @@ def online_config(raw: str | dict[str, Any] | OnlineConfig | None) -> OnlineConf
 
 
 class OnlineLoop:
-    """Online mode for one registered model of a :class:`LocalBackend`."""
+    """Online mode for one registered model of a backend (:class:`.seam.OnlineBackend`: a
+    :class:`~tracerl.backend.local.LocalBackend`)."""
 
-    def __init__(self, backend: LocalBackend, model: Any, config: OnlineConfig | None = None
+    def __init__(self, backend: OnlineBackend, model: Any, config: OnlineConfig | None = None
                  ) -> None:
         self.backend, self.spec = backend, spec_of(model)
         self.config = online_config(config)
@@ -85,13 +87,13 @@ class OnlineLoop:
 
     @property
     def live(self) -> LiveCalls:
-        return self.backend.gateway.live
+        return self.backend.live_calls
 
     async def start(self) -> ReleaseState:
         """Put the model under release control and in online mode (idempotent)."""
         state = await self.control.enable()
         await asyncio.to_thread(self.live.enable, self.store)
-        self.control.route.live = True
+        self.control.route.live = live_rollout_id  # a plain call: a live rollout of its own
         if state.candidate is not None and state.stage == "shadow":  # proposed, then a crash
             await self.control.start_canary(self.config.canary_share)
         self._started = True
@@ -133,7 +135,7 @@ class OnlineLoop:
             self.live.expire, store, ttl_s=ttl, keep_steps=keep,
             max_pending=cfg.max_pending or settings.TRACERL_ONLINE_MAX_PENDING.get())
         if cfg.rollout_api:
-            gone = await asyncio.to_thread(self.backend.gateway.rollouts.expire_open, store,
+            gone = await asyncio.to_thread(self.backend.rollouts.expire_open, store,
                                            time.time() - ttl)
             self.expired_rollouts += len(gone)
 
@@ -164,15 +166,15 @@ class OnlineLoop:
         step = store.latest_step() + 1
         batch = f"online-{step:04d}"
         live_ready = await asyncio.to_thread(self.live.ready, store, cfg.group_size)
-        api_ready = self.backend.gateway.rollouts.counts(store)["ready_groups"] \
+        api_ready = self.backend.rollouts.counts(store)["ready_groups"] \
             if cfg.rollout_api else 0
         if not self.live.has_batch(store, batch) and \
                 live_ready + api_ready < cfg.groups_per_step:
             return "collecting"
         taken = await asyncio.to_thread(self.live.take, store, cfg.groups_per_step,
                                         cfg.group_size, batch)
-        groups = await asyncio.to_thread(build_groups, taken, store, self.backend.gateway.calls,
-                                         self.backend.gateway.rollouts)
+        groups = await asyncio.to_thread(build_groups, taken, store, self.backend.call_store,
+                                         self.backend.rollouts)
         missing = cfg.groups_per_step - len(groups)
         if missing and cfg.rollout_api:
             groups += await self.backend.take_external_groups(spec, missing, batch)

@@ -5,126 +5,60 @@ stage's evidence in the model's release log (:mod:`tracerl.core.release_log`).
   still get the incumbent (a training step under release control only loads its version);
 - **shadow**: a held-out set of scenarios (messages, and whatever the scorer reads) is replayed
   on the candidate and on the incumbent through the gateway, each reply scored; the gates
-  (:mod:`.release_gates`) judge the two arms; a candidate that fails is rejected;
+  (:mod:`.gates`) judge the two arms; a candidate that fails is rejected;
 - **canary**: ``share`` of new rollouts, chosen by a sticky hash of the rollout id
-  (:func:`canary_bucket`: a rollout's every call goes to the same version), is served by the
-  candidate; :meth:`ReleaseControl.evaluate` takes the rewards that came back, splits them by
-  the version that served each rollout (the recorded ``adapter_step``, fingerprint-checked) and
-  asks the gates: promote, roll back (the candidate is rejected; the incumbent never changed),
-  hold (the canary stops; a person decides), or continue;
+  (:func:`~tracerl.backend.gateway.served.canary_bucket`: a rollout's every call goes to the
+  same version), is served by the candidate; :meth:`ReleaseControl.evaluate` takes the rewards
+  that came back, splits them by the version that served each rollout (the recorded
+  ``adapter_step``, fingerprint-checked) and asks the gates: promote, roll back (the candidate
+  is rejected; the incumbent never changed), hold (the canary stops; a person decides), or
+  continue;
 - **promote / rollback**: ``begin`` record, the version loaded, ``commit`` record, then routed:
   calls in flight finish on the version they started on, new ones get the new incumbent, so
   no request is dropped; ``tracerl promote MODEL N`` / ``tracerl rollback MODEL --to N`` do
   the same through ``tracerl serve``'s control API.
 
-A restart (even after kill -9) serves the last committed incumbent (:func:`attach`).
+A restart (even after kill -9) serves the last committed incumbent
+(:func:`~tracerl.backend.gateway.releases.attach`). The steps the gateway takes (attach, load,
+move the incumbent) are :mod:`tracerl.backend.gateway.releases`'; the routing they set is the
+served model's (:class:`~tracerl.backend.gateway.served.ReleaseRouting`). Release control
+talks to the backend through :class:`.seam.ReleaseBackend`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ...core.errors import ConfigError
 from ...core.fingerprint import check_calls
+from ...core.model_name import ModelName
 from ...core.release_log import ReleaseLog, ReleaseState
 from ...core.storage import append_jsonl
 from ...core.trajectory import LLMCall
-from .gates import Gates, Verdict, arm_evidence, judge
+from ..gateway.releases import attach, load_candidate, move_incumbent
+from ..gateway.served import ReleaseRouting, ServedModel, canary_bucket
 from ..training.health import CLAIMED
+from .gates import Gates, Verdict, arm_evidence, judge
+from .seam import ReleaseBackend
 
-if TYPE_CHECKING:
-    from ..local import LocalBackend
-    from ..gateway.served import ServedModel
+# canary_bucket, attach and move_incumbent: where callers imported them from before
+__all__ = ["ReleaseControl", "Scorer", "attach", "canary_bucket", "move_incumbent"]
 
 log = logging.getLogger(__name__)
 
 Scorer = Callable[[dict[str, Any], str], float | Awaitable[float]]
 
 
-def canary_bucket(rollout_id: str) -> float:
-    """A rollout id's place in [0, 1): sticky (the same id, the same place, in every process)."""
-    return int.from_bytes(hashlib.sha256(rollout_id.encode()).digest()[:8], "big") / 2.0 ** 64
-
-
-@dataclass
-class ReleaseRouting:
-    """Which version a plain-name call gets: the incumbent, or the candidate for the canary's
-    share of rollouts (calls without a rollout id: the incumbent)."""
-
-    incumbent: int
-    candidate: int | None = None
-    share: float = 0.0
-
-    def pick(self, rollout_id: str | None) -> int:
-        if self.candidate is not None and rollout_id is not None and \
-                canary_bucket(rollout_id) < self.share:
-            return self.candidate
-        return self.incumbent
-
-    def steps(self) -> set[int]:
-        return {self.incumbent} | ({self.candidate} if self.candidate is not None else set())
-
-
-def _checkpoint(route: ServedModel, step: int) -> Path:
-    path = route.store.checkpoint_dir(step)
-    if step > 0 and not path.is_dir():
-        raise ConfigError(f"{route.key} has no checkpoint {step} to serve "
-                          f"(checkpoints: {route.store.checkpoint_steps()})")
-    return path
-
-
-async def attach(route: ServedModel) -> ReleaseState:
-    """Put ``route`` under release control (on the gateway's loop): recover its release log
-    (a ``begin`` without ``commit`` is aborted), adopt the version it serves when the log is
-    new, load the incumbent (and a canary's candidate) and route to them."""
-    releases = ReleaseLog(route.store.root)
-    state = await asyncio.to_thread(releases.recover)
-    if state.incumbent is None:
-        step = route.step
-        await asyncio.to_thread(releases.begin, "adopt", step, None)
-        await asyncio.to_thread(releases.commit, "adopt", step)
-        state = await asyncio.to_thread(releases.state)
-    assert state.incumbent is not None
-    route.release = ReleaseRouting(state.incumbent)
-    await route.load_version(state.incumbent, _checkpoint(route, state.incumbent))
-    if state.candidate is not None:
-        await route.load_version(state.candidate, _checkpoint(route, state.candidate))
-        route.release = ReleaseRouting(state.incumbent, state.candidate,
-                                       state.share if state.stage == "canary" else 0.0)
-    return state
-
-
-async def move_incumbent(route: ServedModel, action: str, step: int,
-                         **evidence: Any) -> ReleaseState:
-    """Promote or roll back ``route`` to ``step`` (on the gateway's loop): ``begin`` record,
-    the version loaded, ``commit`` record, routed; the old incumbent is unloaded once its
-    calls in flight have finished."""
-    if route.release is None:
-        await attach(route)
-    assert route.release is not None
-    releases = ReleaseLog(route.store.root)
-    path = _checkpoint(route, step)
-    await asyncio.to_thread(releases.begin, action, step, route.release.incumbent, **evidence)
-    await route.load_version(step, path)
-    await asyncio.to_thread(releases.commit, action, step)
-    route.release = ReleaseRouting(step)  # new calls: the new incumbent
-    await route.load_version(step, path)  # retires the old one (after its calls in flight)
-    log.info("%s: %s to version %d", route.key, action, step)
-    return await asyncio.to_thread(releases.state)
-
-
 class ReleaseControl:
-    """Drive one model's releases on a :class:`~tracerl.backend.local.LocalBackend` (the
-    caller's, or ``tracerl serve``'s)."""
+    """Drive one model's releases on a backend (a :class:`~tracerl.backend.local.LocalBackend`:
+    the caller's, or ``tracerl serve``'s)."""
 
-    def __init__(self, backend: LocalBackend, model: Any, gates: Gates | None = None) -> None:
+    def __init__(self, backend: ReleaseBackend, model: Any, gates: Gates | None = None
+                 ) -> None:
         from ...core.model_spec import spec_of
 
         self.backend, self.spec = backend, spec_of(model)
@@ -132,7 +66,7 @@ class ReleaseControl:
 
     @property
     def route(self) -> ServedModel:
-        return self.backend.gateway.models[self.spec.key]
+        return self.backend.served(self.spec)
 
     @property
     def log(self) -> ReleaseLog:
@@ -142,17 +76,14 @@ class ReleaseControl:
         return self.log.state()
 
     async def enable(self) -> ReleaseState:
-        """Put the model under release control (see :func:`attach`)."""
+        """Put the model under release control (see
+        :func:`~tracerl.backend.gateway.releases.attach`)."""
         return await self.backend.call_on_gateway(attach(self.route))
 
     async def propose(self, step: int) -> None:
         """Load checkpoint ``step`` as the candidate (no traffic yet)."""
         route = self.route
-        if route.release is None:
-            await self.enable()
-        assert route.release is not None
-        incumbent = route.release.incumbent
-        await self.backend.call_on_gateway(route.load_version(step, _checkpoint(route, step)))
+        incumbent = await self.backend.call_on_gateway(load_candidate(route, step))
         await asyncio.to_thread(self.log.append, "candidate", step=step, incumbent=incumbent)
         route.release = ReleaseRouting(incumbent, step, 0.0)
 
@@ -176,7 +107,7 @@ class ReleaseControl:
                     rid = f"shadow-{uuid.uuid4().hex[:12]}-{i}"
                     ids.append(rid)
                     response = await client.chat.completions.create(
-                        model=f"{name}@{step}", messages=scenario["messages"],
+                        model=str(ModelName.of(name, step)), messages=scenario["messages"],
                         max_tokens=max_tokens, temperature=temperature,
                         extra_headers={"x-rollout-id": rid})
                     score = scorer(scenario, response.choices[0].message.content or "")

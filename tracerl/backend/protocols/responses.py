@@ -25,6 +25,7 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
+from ...core.model_name import ModelName
 from . import base
 from .base import ChatStreamReader, Exchange, bad, function_tool, only_choice, sse, text_of
 
@@ -137,7 +138,7 @@ class Responses(base.Protocol):
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise bad("you must provide a model parameter", "model")
-        model_key = model.partition("@")[0]
+        model_key = ModelName.parse(model).base  # stored responses: per model, any step
         history: list[dict[str, Any]] = []
         previous = body.get("previous_response_id")
         if previous is not None:

@@ -1,0 +1,82 @@
+"""The release steps a served model takes, on the gateway's loop: put under release control
+(:func:`attach`), a candidate loaded beside the incumbent (:func:`load_candidate`), the
+incumbent moved (:func:`move_incumbent`). Each writes the model's release log
+(:mod:`tracerl.core.release_log`) before it routes (:class:`.served.ReleaseRouting`), so a
+restart (even after kill -9) serves the last committed incumbent; what to release and when is
+release control's (:mod:`tracerl.backend.online.release`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+from ...core.errors import ConfigError
+from ...core.release_log import ReleaseLog, ReleaseState
+from .served import ReleaseRouting, ServedModel
+
+log = logging.getLogger(__name__)
+
+
+def checkpoint(route: ServedModel, step: int) -> Path:
+    """The folder of ``route``'s checkpoint ``step`` (0: the base model); a ConfigError naming
+    the checkpoints there are when it has none of that step."""
+    path = route.store.checkpoint_dir(step)
+    if step > 0 and not path.is_dir():
+        raise ConfigError(f"{route.key} has no checkpoint {step} to serve "
+                          f"(checkpoints: {route.store.checkpoint_steps()})")
+    return path
+
+
+async def attach(route: ServedModel) -> ReleaseState:
+    """Put ``route`` under release control: recover its release log (a ``begin`` without
+    ``commit`` is aborted), adopt the version it serves when the log is new, load the incumbent
+    (and a canary's candidate) and route to them."""
+    releases = ReleaseLog(route.store.root)
+    state = await asyncio.to_thread(releases.recover)
+    if state.incumbent is None:
+        step = route.step
+        await asyncio.to_thread(releases.begin, "adopt", step, None)
+        await asyncio.to_thread(releases.commit, "adopt", step)
+        state = await asyncio.to_thread(releases.state)
+    assert state.incumbent is not None
+    route.release = ReleaseRouting(state.incumbent)
+    await route.load_version(state.incumbent, checkpoint(route, state.incumbent))
+    if state.candidate is not None:
+        await route.load_version(state.candidate, checkpoint(route, state.candidate))
+        route.release = ReleaseRouting(state.incumbent, state.candidate,
+                                       state.share if state.stage == "canary" else 0.0)
+    return state
+
+
+async def load_candidate(route: ServedModel, step: int) -> int:
+    """Load checkpoint ``step`` beside ``route``'s incumbent as ``NAME@step`` (attached first
+    if it is not under release control yet); no plain-name call goes to it yet. Returns the
+    incumbent."""
+    if route.release is None:
+        await attach(route)
+    assert route.release is not None
+    incumbent = route.release.incumbent
+    await route.load_version(step, checkpoint(route, step))
+    return incumbent
+
+
+async def move_incumbent(route: ServedModel, action: str, step: int,
+                         **evidence: Any) -> ReleaseState:
+    """Promote or roll back ``route`` to ``step``: ``begin`` record, the version loaded,
+    ``commit`` record, routed; the old incumbent is unloaded once its calls in flight have
+    finished."""
+    if route.release is None:
+        await attach(route)
+    assert route.release is not None
+    releases = ReleaseLog(route.store.root)
+    path = checkpoint(route, step)
+    await asyncio.to_thread(releases.begin, action, step, route.release.incumbent, **evidence)
+    await route.load_version(step, path)
+    await asyncio.to_thread(releases.commit, action, step)
+    route.release = ReleaseRouting(step)  # new calls: the new incumbent
+    await route.load_version(step, path)  # retires the old one (after its calls in flight)
+    log.info("%s: %s to version %d", route.key, action, step)
+    return await asyncio.to_thread(releases.state)
