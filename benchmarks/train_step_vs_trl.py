@@ -120,7 +120,8 @@ def main() -> None:
 
     from tracerl import LoraConfig, TrainConfig
     from tracerl.backend.training.rows import Row
-    from tracerl.backend.training.trainer import Trainer, micro_batches
+    from tracerl.backend.training.trainer import Trainer
+    from tracerl.backend.training.update import micro_batches
     from tracerl.backend.weights import resolve_base_model
 
     if args.random_init:
@@ -222,7 +223,7 @@ def main() -> None:
                 w_trl.append(timed(step_trl))
             # host-side tensor building is part of our step (rows -> padded tensors); TRL's
             # inputs arrive ready, so it is also reported on its own
-            t_build.append(timed(lambda: [ours._tensors(b) for b in batches]))
+            t_build.append(timed(lambda: [ours.tensors(b) for b in batches]))
         turns.done()
         t_ours += w_ours
         t_trl += w_trl

@@ -8,7 +8,7 @@ import tracerl
 from tests.conftest import render_ids
 from tracerl.backend.training.advantages import group_advantages
 from tracerl.backend.training.rows import Row, RowStats, rows_from_calls, rows_from_messages
-from tracerl.backend.training.trainer import micro_batches
+from tracerl.backend.training.update import micro_batches
 
 
 def call(prompt, completion, t=0.0, temperature=1.0, logprobs=None, n=1):

@@ -42,7 +42,8 @@ def main() -> None:
 
     from tracerl import LoraConfig, TrainConfig
     from tracerl.backend.training.rows import Row
-    from tracerl.backend.training.trainer import Trainer, micro_batches
+    from tracerl.backend.training.trainer import Trainer
+    from tracerl.backend.training.update import micro_batches
 
     path = random_model_dir(args.shape, Path(args.tokenizer))
     lora = LoraConfig(r=16, alpha=32)
@@ -61,7 +62,7 @@ def main() -> None:
                 advantage=float(torch.randn(1, generator=g))) for b in range(B)]
     cfg = TrainConfig(micro_batch_tokens=B * L)
     batches = micro_batches(rows, cfg.micro_batch_tokens)
-    peft._fill_old_logprobs(batches)  # old = the peft policy's logprobs
+    peft.fill_old_logprobs(batches)  # old = the peft policy's logprobs
     peft.model.train()
     peft.optimizer.zero_grad(set_to_none=True)
     sums_peft = peft.backward(batches, cfg)

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from .gateway.rollout_api import ExternalRollouts
     from .gateway.served import ServedModel
     from .training.distributed import DistributedPolicy
-    from .training.trainer import Trainer
+    from .training.policy import Policy
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -117,11 +117,11 @@ class LocalBackend(Backend):
         self.policies.resident = count
 
     @property
-    def _policies(self) -> dict[str, Trainer | DistributedPolicy]:
+    def _policies(self) -> dict[str, Policy | DistributedPolicy]:
         """The policies in memory by model folder (tests look at them: no public handle)."""
         return self.policies.loaded
 
-    def _policy(self, model: ModelSpec) -> Trainer | DistributedPolicy:
+    def _policy(self, model: ModelSpec) -> Policy | DistributedPolicy:
         return self.steps.load_policy(model)
 
     # --- resources -------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from .heap import freeze_long_lived_objects
 if TYPE_CHECKING:
     from .training.adapters import SharedBase
     from .training.distributed import DistributedPolicy
-    from .training.trainer import Trainer
+    from .training.policy import Policy
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +37,12 @@ class PolicyCache:
             raise ConfigError(f"resident_policies must be at least 1, not {resident}")
         self.trainer = trainer  # None: this process trains; else torch.distributed ranks
         self.resident = resident
-        self.loaded: dict[str, Trainer | DistributedPolicy] = {}
+        self.loaded: dict[str, Policy | DistributedPolicy] = {}
         self.bases: dict[tuple[Path, str, str | None], SharedBase] = {}
         self.train_from: dict[str, int] = {}  # model folder -> its next step starts from
 
     def get(self, model: ModelSpec, store: ModelStore, model_path: Path
-            ) -> Trainer | DistributedPolicy:
+            ) -> Policy | DistributedPolicy:
         """The policy of ``model`` (stored in ``store``, its base weights at ``model_path``),
         loaded on first use: an adapter on the base it shares with the models of the same base
         and LoRA shape."""

@@ -30,7 +30,7 @@ from .publishing import AdapterPublisher
 if TYPE_CHECKING:
     from .gateway.served import ServedModel
     from .training.distributed import DistributedPolicy
-    from .training.trainer import Trainer
+    from .training.policy import Policy
 
 # a step function: GRPO's train_step or SFT's sft_step, its data bound
 StepFn = Callable[..., AsyncIterator[TrainEvent]]
@@ -103,7 +103,7 @@ class StepRunner:
         async with self.lock:
             yield routes
 
-    def load_policy(self, model: ModelSpec) -> Trainer | DistributedPolicy:
+    def load_policy(self, model: ModelSpec) -> Policy | DistributedPolicy:
         """The policy of registered ``model`` (loaded on first use)."""
         return self.policies.get(model, self.store(model),
                                  self.models[model.key].engine.spec.model_path)

@@ -6,9 +6,14 @@ In flow order:
 - ``loss.py``: the clipped policy loss, token logprobs, KL (tested against TRL).
 - ``health.py``: step health (skipped groups, prefix/template mismatches, engine KL, ...)
   and the warnings that name its cause and fix.
-- ``trainer.py``: the policy (base + LoRA, peft or Unsloth), micro-batches, the optimizer.
-- ``adapters.py``: many models on one base: one copy of the base weights, a LoRA adapter,
-  optimizer and step count per model, rows routed to their adapter in shared passes.
+- ``update.py``: the one update loop, top to bottom: micro-batches -> old logprobs -> loss
+  and backward per micro-batch -> clip -> optimizer step, for one policy or several adapters
+  on one base (a model's step, ``train_many`` and each distributed rank all run it).
+- ``policy.py``: one adapter's policy (its LoRA in a loaded peft model, optimizer, step
+  count) and the update's public seam (tensors, logits, old logprobs, clipping, rank hooks).
+- ``trainer.py``: the policy of a model on a base of its own (loaded: peft or Unsloth).
+- ``adapters.py``: many models on one base: one copy of the base weights, a policy per
+  model's adapter, rows routed to their adapter in shared passes.
 - ``distributed.py``: the same policy on torch.distributed ranks (DDP or FSDP2), driven from
   here: micro-batches dealt to ranks, checkpoints from rank 0, a dead rank named.
 - ``rank.py``: one rank's process (``python -m``, torchrun's environment).

@@ -25,10 +25,11 @@ from ...core.config import DistributedTrainerConfig, LoraConfig, TrainConfig
 from ...core.errors import ConfigError, RankFailedError, TrainingError
 from ...core.launcher import Launcher
 from ...events.plugins import collect_classes
-from ..chat_template import apply_chat_template_override
+from .policy import Rendering
 from .rank import COORDINATOR_ENV, COORDINATOR_KEY_ENV
 from .rows import Row
-from .trainer import Rendering, micro_batches, step_totals
+from .trainer import load_tokenizer
+from .update import micro_batches, step_totals
 
 log = logging.getLogger(__name__)
 RANK_MODULE = "tracerl.backend.training.rank"
@@ -75,11 +76,8 @@ class DistributedPolicy(Rendering):
     def __init__(self, config: DistributedTrainerConfig, launcher: Launcher, model_path: Path,
                  lora: LoraConfig, adapter_path: Path | None, chat_template: str | None,
                  log_path: Path) -> None:
-        from transformers import AutoTokenizer
-
         self.config, self.launcher = config, launcher
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        apply_chat_template_override(self.tokenizer, chat_template)
+        self.tokenizer = load_tokenizer(model_path, chat_template)
         self.phase = "starting"
         self.ranks: dict[int, dict[str, Any]] = {}  # rank -> its hello (pid, host)
         self._conns: dict[int, Connection] = {}

@@ -1,7 +1,8 @@
 """One GRPO step for several models at once (``backend.train_many``): each model's groups are
-saved as its next step, the models on one shared base train their rows in shared passes
-(:func:`~.adapters.optimize_together`), then each model is checkpointed, logged and published
-on its own, exactly as :func:`~.step.train_step` does for one model.
+saved as its next step, the models on one shared base train their rows in shared passes (the
+one update, :func:`~.update.optimize`, that a single model's step runs too), then each model is
+checkpointed, logged and published on its own, exactly as :func:`~.step.train_step` does for
+one model.
 
 A model whose checkpoint or publish fails is reported, and every other model of the step still
 finishes; a failed update fails the step of every model in it (none is checkpointed, each
@@ -24,8 +25,9 @@ from ...core.storage import ModelStore
 from ...core.trajectory import TrajectoryGroup
 from ...core.watchdog import watch
 from . import health
-from .adapters import AdapterPolicy, optimize_together
+from .policy import Policy
 from .step import Serving, finish_step, heartbeats, own_calls, save_step_groups, step_rows
+from .update import optimize
 
 log = logging.getLogger(__name__)
 
@@ -39,25 +41,26 @@ class ModelStep:
     groups: list[TrajectoryGroup]
     store: ModelStore
     serving: Serving
-    policy: AdapterPolicy | None = field(default=None, repr=False)
+    policy: Policy | None = field(default=None, repr=False)
 
 
 def grpo_update_many(parts: list[ModelStep], config: TrainConfig) -> list[dict[str, float]]:
     """Rows of each model's groups, then one optimizer step of each model, the rows of models
-    sharing a base in shared forward/backward passes. Returns each model's metrics."""
-    metrics, rows = [], []
+    sharing a base (one peft model) in shared forward/backward passes. Returns each model's
+    metrics."""
+    metrics, rows, policies = [], [], []
     for part in parts:
         assert part.policy is not None
         own, m = step_rows(part.policy, part.groups, config)
         rows.append(own)
+        policies.append(part.policy)
         metrics.append(m if own else {**m, "skipped": 1.0, "loss": 0.0})
     by_base: dict[int, list[int]] = {}
-    for i, part in enumerate(parts):
+    for i, policy in enumerate(policies):
         if rows[i]:
-            by_base.setdefault(id(part.policy.shared), []).append(i)  # type: ignore[union-attr]
+            by_base.setdefault(id(policy.model), []).append(i)
     for indices in by_base.values():
-        trained = optimize_together([parts[i].policy for i in indices],  # type: ignore[misc]
-                                    [rows[i] for i in indices], config)
+        trained = optimize([policies[i] for i in indices], [rows[i] for i in indices], config)
         for i, m in zip(indices, trained, strict=True):
             metrics[i].update(m)
             health.write_token_logprobs(parts[i].store, parts[i].step, rows[i])
@@ -65,7 +68,7 @@ def grpo_update_many(parts: list[ModelStep], config: TrainConfig) -> list[dict[s
 
 
 async def train_many_step(parts: list[ModelStep], config: TrainConfig, *,
-                          load_policies: Callable[[], list[AdapterPolicy]],
+                          load_policies: Callable[[], list[Policy]],
                           heartbeat_s: float = 30.0) -> AsyncIterator[tuple[str, TrainEvent]]:
     """Train each of ``parts`` (distinct models) one step; yields ``(model key, event)``."""
     for part in parts:  # 1. every model's groups are on disk before anything trains on them

@@ -5,8 +5,9 @@ The rank joins the process group (NCCL on GPUs, gloo on CPU), connects to the co
 (``distributed.DistributedPolicy``, in the backend process) and runs its commands: ``load``,
 ``update`` (its share of the step's micro-batches), ``save``, ``close``. Its policy is the
 one-process :class:`Trainer` with the model wrapped by DDP or sharded by FSDP2's
-``fully_shard``; the loss of each rank is normalised by the whole step's token (or row) count,
-so the summed gradient is the one-process gradient.
+``fully_shard``: it overrides the policy's cross-rank hooks (``policy.py``), and runs the
+one-process update (``update.py``) on its share; the loss of each rank is normalised by the
+whole step's token (or row) count, so the summed gradient is the one-process gradient.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ import torch.distributed as dist
 
 from ...core import settings
 from ...core.config import LoraConfig, TrainConfig
+from ...core.storage import OPTIMIZER_FILE
+from .policy import STATE_FILE
 from .rows import Row, has_unknown_logprobs
-from .trainer import OPTIMIZER_FILE, STATE_FILE, Trainer
+from .trainer import Trainer
 
 log = logging.getLogger(__name__)
 COORDINATOR_ENV = settings.TRACERL_COORDINATOR.name          # host:port of the coordinator
@@ -55,7 +58,9 @@ def write_files(files: dict[str, bytes], folder: Path) -> Path:
 
 
 class RankTrainer(Trainer):
-    """The policy on one rank: the one-process trainer with DDP or FSDP2 hooks."""
+    """The policy on one rank: the one-process trainer with its cross-rank hooks for DDP or
+    FSDP2 (the model distributed, the optimizer state sharded, metric sums and the gradient
+    norm over all ranks, idle passes that keep every rank's collectives equal)."""
 
     def __init__(self, strategy: str, model_path: Path, lora: LoraConfig,
                  adapter_path: Path | None, device: str, chat_template: str | None) -> None:
@@ -67,7 +72,7 @@ class RankTrainer(Trainer):
 
     # --- the model across ranks ------------------------------------------------------------
 
-    def _distribute(self, model: Any) -> Any:
+    def distribute(self, model: Any) -> Any:
         # a fresh LoRA is initialised at random on each rank: rank 0's copy is everyone's
         for p in model.parameters():
             if p.requires_grad:
@@ -89,7 +94,7 @@ class RankTrainer(Trainer):
         fully_shard(model, mesh=mesh)
         return model
 
-    def _load_optimizer_state(self, state: dict[str, Any]) -> None:
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
         """The one-process format (whole tensors); FSDP2 keeps each rank's shard of them."""
         from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -103,43 +108,35 @@ class RankTrainer(Trainer):
                                                        p.placements)
         self.optimizer.load_state_dict(state)
 
-    def _sum_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
+    def sum_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
         names = sorted(values)
         t = torch.tensor([values[n] for n in names], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return dict(zip(names, t.tolist(), strict=True))
 
-    def _clip_grad_norm(self, max_norm: float) -> float:
+    def clip_grad_norm(self, max_norm: float) -> float:
         norm = torch.nn.utils.clip_grad_norm_(
             [p for p in self.model.parameters() if p.requires_grad], max_norm)
         return float(_full(norm))
 
     # --- equal collectives on every rank: idle passes where a rank has no micro-batch -------
 
-    def _idle_pass(self, config: TrainConfig, backward: bool) -> None:
+    def idle_pass(self, config: TrainConfig, backward: bool) -> None:
         """The forward (and backward) of a slot without rows: FSDP2 gathers parameters in
         every forward and DDP reduces gradients in every backward, so each rank runs as many
         passes as the others; a zero loss adds nothing to any gradient."""
         ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
         t = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "keep": torch.tensor(1)}
         with contextlib.nullcontext() if backward else torch.no_grad():
-            logits = self._logits(t)
+            logits = self.logits(t)
         if backward and config.beta > 0:
             with torch.no_grad(), self.model.disable_adapter():
-                self._logits(t)
+                self.logits(t)
         if backward:
             (logits.float().sum() * 0.0).backward()
 
-    def backward(self, batches: list[list[Row]], config: TrainConfig, collect: bool = True,
-                 normalizer: float | None = None) -> dict[str, float]:
-        real = [b for b in batches if b]
-        sums = super().backward(real, config, collect=collect, normalizer=normalizer)
-        for _ in range(len(batches) - len(real)):
-            self._idle_pass(config, backward=True)
-        return sums
-
     @torch.no_grad()
-    def _fill_old_logprobs(self, batches: list[list[Row]]) -> None:
+    def fill_old_logprobs(self, batches: list[list[Row]]) -> None:
         needed = torch.tensor([float(any(has_unknown_logprobs(r) for b in batches for r in b))],
                               device=self.device)
         dist.all_reduce(needed, op=dist.ReduceOp.MAX)
@@ -147,9 +144,9 @@ class RankTrainer(Trainer):
             return
         for batch in batches:  # one forward per slot on every rank
             if any(has_unknown_logprobs(r) for r in batch):
-                super()._fill_old_logprobs([batch])
+                super().fill_old_logprobs([batch])
             else:
-                self._idle_pass(TrainConfig(), backward=False)
+                self.idle_pass(TrainConfig(), backward=False)
 
     # --- checkpoints: gathered on every rank, written by rank 0 -----------------------------
 

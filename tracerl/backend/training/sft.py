@@ -25,7 +25,7 @@ from .rows import Row
 from .step import Serving, run_update
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from .policy import Policy
 
 log = logging.getLogger(__name__)
 
@@ -65,35 +65,25 @@ def sft_rows(tokenizer: Any, trajectory: Trajectory) -> list[Row]:
     return [r for r in rows if r.trained_tokens]
 
 
-def sft_update(policy: Trainer, trajectories: list[Trajectory], config: TrainSFTConfig
+def sft_update(policy: Policy, trajectories: list[Trajectory], config: TrainSFTConfig
                ) -> dict[str, float]:
     """Batches of ``config.batch_size`` trajectories, one optimizer step each at its learning
     rate; the loss is the mean negative log-likelihood of the batch's assistant tokens."""
-    import torch
+    from .update import released_memory
 
-    from .trainer import return_freed_memory
-
-    try:
+    with released_memory(policy.device):
         return _sft_update(policy, trajectories, config)
-    finally:
-        if policy.device.type == "cpu":
-            return_freed_memory()
-        elif policy.device.type == "cuda":
-            torch.cuda.empty_cache()
 
 
-def _sft_update(policy: Trainer, trajectories: list[Trajectory], config: TrainSFTConfig
+def _sft_update(policy: Policy, trajectories: list[Trajectory], config: TrainSFTConfig
                 ) -> dict[str, float]:
-    import torch
-
     from .loss import token_logprobs
-    from .trainer import micro_batches
+    from .update import micro_batches
 
     size = config.resolved_batch_size
     batches = [trajectories[i:i + size] for i in range(0, len(trajectories), size)]
     rates = (iter(config.learning_rate) if isinstance(config.learning_rate, list)
              else itertools.repeat(config.learning_rate))
-    params = policy.trainable_parameters()
     policy.model.train()
     losses, norms, used_rates = [], [], []
     trained_tokens = truncated = 0
@@ -113,14 +103,14 @@ def _sft_update(policy: Trainer, trajectories: list[Trajectory], config: TrainSF
         tokens = sum(r.trained_tokens for r in rows)
         loss_sum = 0.0
         for micro in micro_batches(rows, SFT_MICRO_BATCH_TOKENS):
-            t = policy._tensors(micro)
-            logp = token_logprobs(policy._logits(t), t["targets"], t["temps"])
+            t = policy.tensors(micro)
+            logp = token_logprobs(policy.logits(t), t["targets"], t["temps"])
             loss = -(logp * t["mask"]).sum() / tokens
             loss.backward()
             loss_sum += float(loss.detach())
             del t, logp, loss  # nothing of a micro-batch outlives it
-            policy._release_step_memory()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(params, 1.0)))
+            policy.release_step_memory()
+        norms.append(policy.clip_grad_norm(1.0))
         policy.optimizer.step()
         losses.append(loss_sum)
         used_rates.append(lr)
@@ -133,7 +123,7 @@ def _sft_update(policy: Trainer, trajectories: list[Trajectory], config: TrainSF
 
 
 async def sft_step(step: int, trajectories: list[Trajectory], config: TrainSFTConfig, *,
-                   store: ModelStore, load_policy: Callable[[], Trainer], serving: Serving,
+                   store: ModelStore, load_policy: Callable[[], Policy], serving: Serving,
                    heartbeat_s: float = 30.0) -> AsyncIterator[TrainEvent]:
     """Fine-tune checkpoint ``step`` on ``trajectories`` (saved first, under the ``sft``
     split); yields started, heartbeats, done."""

@@ -36,7 +36,7 @@ from .advantages import group_advantages
 from .rows import Row, RowStats, rows_from_calls, rows_from_messages
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from .policy import Policy
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class Serving(Protocol):
 
 
 async def train_step(step: int, groups: list[TrajectoryGroup], config: TrainConfig, *,
-                     store: ModelStore, load_policy: Callable[[], Trainer], serving: Serving,
+                     store: ModelStore, load_policy: Callable[[], Policy], serving: Serving,
                      heartbeat_s: float = 30.0) -> AsyncIterator[TrainEvent]:
     """Train checkpoint ``step`` on ``groups``; yields started, heartbeats, done."""
     # 1. save the groups: a step's data is on disk before anything trains on it (a crashed
@@ -73,7 +73,7 @@ async def train_step(step: int, groups: list[TrajectoryGroup], config: TrainConf
     for example in fingerprints.examples:
         log.warning("step %d: refused: %s", step, example)
 
-    def update(policy: Trainer) -> dict[str, float]:
+    def update(policy: Policy) -> dict[str, float]:
         return grpo_update(policy, groups, config,
                            on_trained=lambda rows: health.write_token_logprobs(store, step, rows),
                            refused=fingerprints.refused)
@@ -120,9 +120,9 @@ def save_step_groups(store: ModelStore, step: int, groups: list[TrajectoryGroup]
     write_groups_jsonl(saved, groups)
 
 
-async def run_update(step: int, update: Callable[[Trainer], dict[str, float]], *,
+async def run_update(step: int, update: Callable[[Policy], dict[str, float]], *,
                      summary: dict[str, float], store: ModelStore,
-                     load_policy: Callable[[], Trainer], serving: Serving,
+                     load_policy: Callable[[], Policy], serving: Serving,
                      heartbeat_s: float = 30.0) -> AsyncIterator[TrainEvent]:
     """The frame of every step that changes the adapter (GRPO here, SFT in ``sft.py``):
     ``update(policy)`` runs in a worker thread while the engine sleeps, then checkpoint ``step``
@@ -160,7 +160,7 @@ async def heartbeats(work: asyncio.Future[T], step: int, started: float, heartbe
             yield TrainEvent("heartbeat", step, elapsed_s=time.perf_counter() - started)
 
 
-async def finish_step(step: int, policy: Trainer, metrics: dict[str, float], *,
+async def finish_step(step: int, policy: Policy, metrics: dict[str, float], *,
                       store: ModelStore, serving: Serving) -> None:
     """After the update: checkpoint ``step`` (with ``metrics``, and the health warnings they
     raise added to them), its history line, then publish it."""
@@ -181,7 +181,7 @@ async def finish_step(step: int, policy: Trainer, metrics: dict[str, float], *,
     await serving.publish(step, store.checkpoint_dir(step))
 
 
-def grpo_update(policy: Trainer, groups: list[TrajectoryGroup], config: TrainConfig,
+def grpo_update(policy: Policy, groups: list[TrajectoryGroup], config: TrainConfig,
                 on_trained: Callable[[list[Row]], None] | None = None,
                 refused: Collection[str] = ()) -> dict[str, float]:
     """Rows with group-relative advantages, then the clipped policy loss over micro-batches
@@ -198,7 +198,7 @@ def grpo_update(policy: Trainer, groups: list[TrajectoryGroup], config: TrainCon
     return metrics
 
 
-def step_rows(policy: Trainer, groups: list[TrajectoryGroup], config: TrainConfig,
+def step_rows(policy: Policy, groups: list[TrajectoryGroup], config: TrainConfig,
               refused: Collection[str] = ()) -> tuple[list[Row], dict[str, float]]:
     """The step's rows (:func:`rows_with_advantages`) and the metrics of how they were built."""
     rows, stats, skipped_groups = rows_with_advantages(policy, groups, config, refused)
@@ -209,7 +209,7 @@ def step_rows(policy: Trainer, groups: list[TrajectoryGroup], config: TrainConfi
     return rows, metrics
 
 
-def rows_with_advantages(policy: Trainer, groups: list[TrajectoryGroup], config: TrainConfig,
+def rows_with_advantages(policy: Policy, groups: list[TrajectoryGroup], config: TrainConfig,
                          refused: Collection[str] = ()) -> tuple[list[Row], RowStats, int]:
     """Token-exact rows of every trajectory (rendered only where there are no token records),
     each carrying its trajectory's advantage within its group. Groups whose rewards are all
