@@ -102,7 +102,7 @@ async def pair(tf_backend):
 async def test_train_many_trains_each_model_one_step_on_one_shared_base(pair):
     backend, a, b = pair.backend, pair.a, pair.b
     assert {m: r.step for m, r in pair.results.items()} == {a: 1, b: 1}
-    policies = [backend._policies[str(backend.store(m).root)] for m in (a, b)]
+    policies = [backend.policies.loaded[str(backend.store(m).root)] for m in (a, b)]
     assert policies[0].shared is policies[1].shared  # private: the policies have no handle
     for m, trajectories in ((a, 2), (b, 3)):
         metrics = pair.results[m].metrics
@@ -137,12 +137,12 @@ async def test_a_failed_step_leaves_the_other_models_files_and_state_as_they_wer
                                       b: await _rollouts(b, [0.0, 1.0])}, config=config)
         assert list(failed.value.failed) == [spec_of(a).key]
         assert backend.store(b).checkpoint_steps() == [1, 2]
-        assert str(store_a.root) not in backend._policies  # reloads from its checkpoint
-        b_state = _adapter_state(backend._policies[key_b])
+        assert str(store_a.root) not in backend.policies.loaded  # reloads from its checkpoint
+        b_state = _adapter_state(backend.policies.loaded[key_b])
         b_files = _files(backend.store(b).root)
         with pytest.raises(tracerl.TracerlError):
             await a.train(await _rollouts(a, [0.0, 1.0]), config=config)
-        assert _same_state(_adapter_state(backend._policies[key_b]), b_state)
+        assert _same_state(_adapter_state(backend.policies.loaded[key_b]), b_state)
         assert _files(backend.store(b).root) == b_files
     finally:
         blocked.unlink()
@@ -150,7 +150,7 @@ async def test_a_failed_step_leaves_the_other_models_files_and_state_as_they_wer
     assert len(await backend.pending_groups(a)) == 1  # the failed step's groups, for a retry
     await a.train(await backend.pending_groups(a), config=config)
     assert store_a.checkpoint_steps() == [1, 2]
-    assert _same_state(_adapter_state(backend._policies[key_b]), b_state)
+    assert _same_state(_adapter_state(backend.policies.loaded[key_b]), b_state)
 
 
 async def test_train_many_validates_before_writing(pair):

@@ -39,7 +39,7 @@ async def test_ray_places_a_replica_and_two_ranks_and_trains_a_step(ray_cluster,
         assert all(t.llm_calls for g in groups for t in g.trajectories)  # recorded, token-exact
         metrics = await model.train(groups, config=TrainConfig(learning_rate=1e-3))
         assert await model.get_step() == 1 and metrics["trained_tokens"] > 0
-        (policy,) = backend._policies.values()
+        (policy,) = backend.policies.loaded.values()
         assert sorted(policy.ranks) == [0, 1]
         assert ray.get(policy.launcher.group.ready(), timeout=10) is not None
         # the replica serves the published adapter: the model's newest step answers

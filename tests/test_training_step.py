@@ -255,18 +255,18 @@ async def test_a_policy_closed_to_bound_memory_reloads_exactly_from_its_checkpoi
         await m.register(backend)
     await a.train(await _rollouts(a, [0.0, 1.0]), config=tracerl.TrainConfig(learning_rate=1e-3))
     key_a, key_b = (str(backend.store(m).root) for m in (a, b))
-    kept = backend._policies[key_a]  # private: the policy in memory has no public handle
+    kept = backend.policies.loaded[key_a]  # the policy in memory (its cache)
     lora = [p.detach().clone() for p in kept.trainable_parameters()]
     adam = {i: {k: v.clone() for k, v in s.items()}
             for i, s in kept.optimizer.state_dict()["state"].items()}
     del kept
-    backend.resident_policies = 1
+    backend.policies.resident = 1
     try:
         await b.train(await _rollouts(b, [0.0, 1.0]),
                       config=tracerl.TrainConfig(learning_rate=1e-3))
-        assert list(backend._policies) == [key_b]
-        reloaded = backend._policy(spec_of(a))
-        assert list(backend._policies) == [key_a]
+        assert list(backend.policies.loaded) == [key_b]
+        reloaded = backend.steps.load_policy(spec_of(a))
+        assert list(backend.policies.loaded) == [key_a]
     finally:
         backend.resident_policies = 2
     again = [p.detach() for p in reloaded.trainable_parameters()]

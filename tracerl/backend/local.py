@@ -35,6 +35,7 @@ from .gateway.server_thread import GatewayThread
 from .heap import freeze_long_lived_objects
 from .policies import PolicyCache
 from .registration import Registrar
+from .rollout_log import read_spans, spans_path
 from .step_runner import StepRunner, registered
 from .training.health import claim_rollouts
 from .training.rows import check_token_records
@@ -45,8 +46,6 @@ if TYPE_CHECKING:
     from .gateway.recorder import CallStore
     from .gateway.rollout_api import ExternalRollouts
     from .gateway.served import ServedModel
-    from .training.distributed import DistributedPolicy
-    from .training.policy import Policy
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -106,23 +105,6 @@ class LocalBackend(Backend):
                                 self.call_on_gateway, heartbeat_s)
         self._thread: GatewayThread | None = None
         self._stores: dict[str, ModelStore] = {}
-
-    @property
-    def resident_policies(self) -> int:
-        """How many policies' base weights stay in memory (models sharing a base count once)."""
-        return self.policies.resident
-
-    @resident_policies.setter
-    def resident_policies(self, count: int) -> None:
-        self.policies.resident = count
-
-    @property
-    def _policies(self) -> dict[str, Policy | DistributedPolicy]:
-        """The policies in memory by model folder (tests look at them: no public handle)."""
-        return self.policies.loaded
-
-    def _policy(self, model: ModelSpec) -> Policy | DistributedPolicy:
-        return self.steps.load_policy(model)
 
     # --- resources -------------------------------------------------------------------------
 
@@ -222,8 +204,6 @@ class LocalBackend(Backend):
         return self.gateway.calls.take(self.store(model), rollout_id)
 
     async def fetch_spans(self, model: ModelLike, rollout_id: str) -> list[Span]:
-        from .gateway.rollout_api import read_spans, spans_path
-
         store = self.store(model)
         if not spans_path(store, rollout_id).exists():  # most rollouts: no thread hop
             return []
