@@ -14,7 +14,7 @@ A SharedBase with max(--ns) adapters attached, and a one-adapter peft Trainer of
   N_separate   N single-model steps on the shared base one after another
 Ratios per wave: N_x / one_shared, N_x / one_alone, N*one_alone / N_x (experiment throughput).
 
-  PYTHONPATH=$PWD:$PWD/benchmarks python3 many_adapters_gpu.py --shape qwen2.5-0.5b \
+  PYTHONPATH=$PWD:$PWD/benchmarks python3 benchmarks/gpu/many_adapters_gpu.py --shape qwen2.5-0.5b \
       --tokenizer .whl/tok --ns 4,8 --rows 8 --tokens 512 --waves 5 --repeats 3
 """
 
@@ -31,16 +31,6 @@ from pathlib import Path
 import torch
 
 os.environ.setdefault("TRACERL_DISABLE_UNSLOTH", "1")
-
-
-def rows(n: int, tokens: int, seed: int):
-    from tracerl.backend.training.rows import Row
-    g = torch.Generator().manual_seed(seed)
-    half = tokens // 2
-    return [Row(torch.randint(10, 30000, (tokens,), generator=g).tolist(),
-                [False] * half + [True] * (tokens - half),
-                [float("nan")] * half + [-1.0] * (tokens - half), [1.0] * tokens,
-                advantage=1.0 if i % 2 else -1.0) for i in range(n)]
 
 
 def main() -> None:
@@ -86,6 +76,8 @@ def main() -> None:
                       "torch": torch.__version__, "alone_backend": alone.backend,
                       "rows": args.rows, "tokens": args.tokens, "micro": micro,
                       "load_s": round(time.perf_counter() - t0, 1)}), flush=True)
+    from many_adapters import rows  # benchmarks/ is on PYTHONPATH
+
     data = [rows(args.rows, args.tokens, seed) for seed in range(nmax)]
 
     def fresh(i):  # optimize mutates rows (adapter, trainer_logprobs): a copy per call
