@@ -76,7 +76,7 @@ def test_each_model_trains_two_steps_on_its_own_calls_only(subagents):
 
 def test_the_sub_agents_keep_separate_adapters_on_one_base(subagents):
     backend = subagents.backend
-    planner, writer = (backend._policies[str(backend.store(m).root)]  # private: no handle
+    planner, writer = (backend.policies.loaded[str(backend.store(m).root)]
                        for m in (subagents.planner, subagents.writer))
     assert planner.shared is writer.shared and planner.adapter_name != writer.adapter_name
     assert any(not (p == q).all() for p, q in zip(planner.trainable_parameters(),

@@ -162,7 +162,7 @@ async def test_a_rank_killed_mid_step_is_named_and_the_run_resumes(tmp_path):
         groups = await _rollouts(model, [0.0, 1.0, 2.0])
         step = asyncio.ensure_future(
             model.train(groups, config=TrainConfig(learning_rate=1e-3, num_epochs=3)))
-        policies = backend._policies  # the policy the step started (private: no API for it)
+        policies = backend.policies.loaded  # the policy the step started
         await until(lambda: any(p.phase == "update" for p in policies.values()) or step.done(),
                     "the ranks to start the update", timeout_s=300)
         (policy,) = policies.values()
@@ -171,7 +171,7 @@ async def test_a_rank_killed_mid_step_is_named_and_the_run_resumes(tmp_path):
             await step
         assert failed.value.rank == 1 and policy.launcher.process.poll() is not None
         store = backend.store(model)
-        assert store.latest_step() == 0 and backend._policies == {}
+        assert store.latest_step() == 0 and backend.policies.loaded == {}
         pending = await backend.pending_groups(model)
         ids = [t.rollout_id for g in groups for t in g.trajectories]
         assert [t.rollout_id for g in pending for t in g.trajectories] == ids

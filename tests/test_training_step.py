@@ -268,7 +268,7 @@ async def test_a_policy_closed_to_bound_memory_reloads_exactly_from_its_checkpoi
         reloaded = backend.steps.load_policy(spec_of(a))
         assert list(backend.policies.loaded) == [key_a]
     finally:
-        backend.resident_policies = 2
+        backend.policies.resident = 2
     again = [p.detach() for p in reloaded.trainable_parameters()]
     assert len(again) == len(lora)
     assert all(torch.equal(x, y) for x, y in zip(again, lora, strict=True))
