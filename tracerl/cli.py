@@ -151,8 +151,10 @@ def _cmd_release(args: argparse.Namespace) -> int:
 
     from .core import settings
     from .core.errors import ConfigError
+    from .core.model_name import ModelName
 
-    project, _, name = args.model.rpartition("/")
+    model = ModelName.parse(args.model)
+    project, name = model.project, model.name
     if not project:
         raise ConfigError(f"MODEL must be PROJECT/NAME, not {args.model!r}")
     step = args.step if args.command == "promote" else args.to

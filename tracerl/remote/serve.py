@@ -14,6 +14,7 @@ from typing import Any
 
 from ..backend.local import LocalBackend
 from ..core.errors import ConfigError
+from ..core.model_name import ModelName
 from ..core.net import is_loopback
 from ..core.storage import validate_name
 from ..events.plugins import register as register_plugin
@@ -73,9 +74,9 @@ def serve(*, host: str, port: int, path: str, api_key: str | None, engine: str |
 
     config = parse_online_config(online_config)  # a bad one: refused before anything starts
     for key in online:
-        project, _, name = key.partition("/")
-        validate_name("project", project)
-        validate_name("model", name)
+        model = ModelName.parse(key)
+        validate_name("project", model.project or "")
+        validate_name("model", str(model.local))
     for module in plugins:
         register_plugin(importlib.import_module(module), name=module)
     _no_progress_bars()

@@ -15,6 +15,7 @@ from ..core.context import current_rollout
 from ..core.errors import ConfigError, InvalidTrajectoryError, NotRegisteredError
 from ..core.loops import PerLoop
 from ..core.metrics import summarize_groups
+from ..core.model_name import ModelName
 from ..core.model_spec import ModelSpec
 from ..core.spans import Span
 from ..core.storage import check_history_metrics, validate_name
@@ -142,7 +143,7 @@ class Model:
         always, so a model of the same name registered in another project later cannot make
         it ambiguous (the gateway refuses an ambiguous bare name)."""
         base = self.inference_model_name or self.name
-        return base if step is None else f"{base}@{step}"
+        return str(ModelName.of(base, step))
 
     def litellm_completion_params(self, step: int | None = None) -> dict[str, Any]:
         """ART's keyword arguments for ``litellm.(a)completion``. Read them inside the rollout:

@@ -22,6 +22,7 @@ from ..backend.engines.vllm_engine import _lora_rank_slot
 from ..backend.local import LocalBackend
 from ..backend.weights import resolve_base_model
 from ..core.errors import ConfigError
+from ..core.model_name import ModelName
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
@@ -69,8 +70,8 @@ async def export_lora(model: Any, backend: LocalBackend, output_dir: str | Path,
         shutil.copy2(source / file, out / file)
     rank = int(json.loads((out / "adapter_config.json").read_text())["r"])
     base = resolve_base_model(model.base_model)
-    return LoRAExport(name=name or f"{store.project}/{store.name}@{step}", adapter_dir=out,
-                      base_model=base, rank=rank)
+    default_name = str(ModelName.of(f"{store.project}/{store.name}", step))
+    return LoRAExport(name=name or default_name, adapter_dir=out, base_model=base, rank=rank)
 
 
 Provider = Literal["together", "wandb"]
