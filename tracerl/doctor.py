@@ -208,7 +208,7 @@ async def live_checks(base_model: str = "smollm2", engine: str = "transformers",
                                        config=config)
         try:
             await model.register(backend)
-            route = backend.gateway.models[model.spec.key]
+            route = backend.served(model.spec)
             policy = await asyncio.to_thread(
                 Trainer, model_path=route.engine.spec.model_path, lora=config.lora,
                 chat_template=trainer_chat_template or chat_template)
