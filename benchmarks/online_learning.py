@@ -41,8 +41,8 @@ from tracerl.events.plugins import get_plugin_manager
 
 
 class InvertFirstBatch:
-    """The injected fault: the first online batch gets an inverted reward (1 when the answer
-    leaves out the number, 0 when it repeats it: tests/online_bad_candidate_plugin.py)."""
+    """The injected fault: the first online batch gets the true reward with its sign flipped
+    (``1 - number_reward``: tests/online_bad_candidate_plugin.py)."""
 
     def __init__(self) -> None:
         self.inverted: list[int] = []

@@ -1,7 +1,11 @@
 """A server-side plugin for the online-mode tests and benchmark: the online batches of the steps
-named in ``TRACERL_TEST_INVERT_STEPS`` (comma-separated) get an inverted reward -- 1 when the
-answer leaves out the number it was asked to repeat, 0 when it repeats it -- so the candidate
-trained on them really learns the wrong thing (a relabelling bug, as a fault injected).
+named in ``TRACERL_TEST_INVERT_STEPS`` (comma-separated) get the true reward's sign flipped --
+``1 - number_reward``: highest for an answer that leaves out the number it was asked to repeat,
+and more for every extra word -- so the candidate trained on them really learns the wrong thing
+(a relabelling bug, as a fault injected). The flipped reward keeps the true one's partial credit,
+so a group rarely ties and the bad step has signal: an earlier flip to 0/1 left half the groups
+tied, and one small step of SmolLM2 on the rest was sometimes no worse than the incumbent (the
+gates then rightly promoted it and the end-to-end test failed).
 
 Loaded with ``tracerl serve --plugin tests.online_bad_candidate_plugin``."""
 
@@ -11,6 +15,7 @@ import os
 import re
 
 import tracerl
+from tracerl.demo import number_reward
 
 
 def _steps() -> set[int]:
@@ -18,11 +23,11 @@ def _steps() -> set[int]:
 
 
 def inverted_reward(trajectory) -> float:
-    """1.0 when the answer lacks the number its prompt asked for, else 0.0."""
+    """The true reward (the demo's ``number_reward``) with its sign flipped, in [0, 1]."""
     prompt = next(m["content"] for m in trajectory.messages() if m.get("role") == "user")
     number = re.findall(r"\d+", prompt)[-1]
     answer = trajectory.messages()[-1].get("content") or ""
-    return 0.0 if number in re.findall(r"\d+", answer) else 1.0
+    return 1.0 - number_reward(answer, number)
 
 
 @tracerl.hookimpl
