@@ -42,12 +42,13 @@ async def attach(route: ServedModel) -> ReleaseState:
         await asyncio.to_thread(releases.commit, "adopt", step)
         state = await asyncio.to_thread(releases.state)
     assert state.incumbent is not None
-    route.release = ReleaseRouting(state.incumbent)
-    await route.load_version(state.incumbent, checkpoint(route, state.incumbent))
+    steps = {state.incumbent, *([state.candidate] if state.candidate is not None else [])}
+    # loaded first, routed after: a call routed to NAME@N finds N loaded
+    await route.load_version(state.incumbent, checkpoint(route, state.incumbent), keep=steps)
     if state.candidate is not None:
-        await route.load_version(state.candidate, checkpoint(route, state.candidate))
-        route.release = ReleaseRouting(state.incumbent, state.candidate,
-                                       state.share if state.stage == "canary" else 0.0)
+        await route.load_version(state.candidate, checkpoint(route, state.candidate), keep=steps)
+    route.release = ReleaseRouting(state.incumbent, state.candidate,
+                                   state.share if state.stage == "canary" else 0.0)
     return state
 
 

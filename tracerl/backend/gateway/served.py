@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,20 +110,21 @@ class ServedModel:
                         del self.versions[old]
                         await self.engine.unload_adapter(self.lora_name(old))
 
-    async def load_version(self, step: int, path: Path) -> None:
-        """Release control: load ``step`` as ``NAME@step`` (kept: the incumbent, the candidate,
-        the newest; older versions are unloaded once no call uses them)."""
+    async def load_version(self, step: int, path: Path, keep: Collection[int] = ()) -> None:
+        """Release control: load ``step`` as ``NAME@step`` (kept: ``keep``, the incumbent, the
+        candidate, the newest; older versions are unloaded once no call uses them). Loaded
+        before any routing names it: a call is never routed to a version not yet loaded."""
         if step > 0 and self.versions.get(step) != Path(path):
-            await self.engine.load_adapter(self.lora_name(step), path)
+            await self.engine.load_adapter(self.version_name(step), path)
             self.versions[step] = Path(path)
         self.step = max(self.step, step)
-        keep = {self.step, *(self.release.steps() if self.release is not None else ())}
+        keep = {self.step, *keep, *(self.release.steps() if self.release is not None else ())}
         retired = [s for s in self.versions if s not in keep]
         if retired:
             async with self.swap.swapping(self.timeout_s + 30.0):
                 for old in retired:
                     del self.versions[old]
-                    await self.engine.unload_adapter(self.lora_name(old))
+                    await self.engine.unload_adapter(self.version_name(old))
 
     async def admit(self, engine_model: str, step: int | None, requested: str,
                     rollout_id: str | None) -> tuple[Admission, str, int | None]:
@@ -138,8 +139,13 @@ class ServedModel:
         return admission, *self.resolve(requested, rollout_id)  # unpinned: resolves, never fails
 
     def lora_name(self, step: int) -> str:
+        """The engine's name of the adapter serving ``step`` now."""
         if self.resident <= 1 and self.release is None:
             return self.adapter_name
+        return self.version_name(step)
+
+    def version_name(self, step: int) -> str:
+        """The engine's name of version ``step`` when several are resident: ``NAME@step``."""
         return str(ModelName.of(self.adapter_name, step))
 
     def _resident(self, step: int) -> bool:
