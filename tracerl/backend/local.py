@@ -21,6 +21,7 @@ from ..core.config import DistributedTrainerConfig, TrainConfig, TrainSFTConfig
 from ..core.errors import ConfigError
 from ..core.model_spec import ModelLike, ModelSpec, spec_of
 from ..core.net import is_loopback
+from ..core.release_log import delete_checkpoints
 from ..core.spans import Span
 from ..core.storage import ModelStore, check_history_metrics
 from ..core.trajectory import (
@@ -240,7 +241,7 @@ class LocalBackend(Backend):
         return self.store(model).history()
 
     async def delete_checkpoints(self, model: ModelLike, keep_steps: set[int]) -> list[int]:
-        return self.store(model).delete_checkpoints(keep_steps)
+        return delete_checkpoints(self.store(model), keep_steps)[0]
 
     # --- ART's object-storage sync (backend/object_sync.py) ----------------------------------
 

@@ -156,6 +156,7 @@ async def serve_newest(route: ServedModel, store: ModelStore, on_gateway: OnGate
     committed incumbent instead."""
     step = store.latest_step()
     if ReleaseLog(store.root).exists():  # release control: the committed incumbent
-        await on_gateway(attach(route))
+        # (its checkpoint gone: the route is unavailable, said why; the server goes on)
+        await on_gateway(attach(route, missing_ok=True))
     elif step > 0 and route.step != step:
         await on_gateway(route.swap_adapter(step, store.checkpoint_dir(step)))

@@ -22,13 +22,16 @@ anywhere restarts on one incumbent: the committed one (:meth:`ReleaseLog.recover
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
-from .storage import append_jsonl, read_jsonl
+from .storage import ModelStore, append_jsonl, read_jsonl
+
+log = logging.getLogger(__name__)
 
 RELEASES = "releases.jsonl"
 ACTIONS = ("promote", "rollback", "adopt")
@@ -45,6 +48,19 @@ class ReleaseState:
     pending: dict[str, Any] | None = None  # a begin without its commit
     records: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)  # the commits, oldest first
+
+    def held(self) -> dict[int, str]:
+        """The checkpoints the log still points at, step -> why: the incumbent, the candidate,
+        and both ends of a move in progress. :func:`delete_checkpoints` never deletes them."""
+        held: dict[int, str] = {}
+        if self.pending is not None:
+            held[int(self.pending["step"])] = f"the target of a {self.pending.get('action')} " \
+                                              "in progress"
+        if self.candidate is not None:
+            held[self.candidate] = f"the release candidate ({self.stage})"
+        if self.incumbent is not None:
+            held[self.incumbent] = "the release incumbent (it serves the model's name)"
+        return {step: why for step, why in held.items() if step > 0}
 
 
 class ReleaseLog:
@@ -112,3 +128,19 @@ class ReleaseLog:
 
     def commit(self, action: str, step: int) -> dict[str, Any]:
         return self.append("commit", action=action, step=step)
+
+
+def delete_checkpoints(store: ModelStore, keep: set[int]) -> tuple[list[int], dict[int, str]]:
+    """Delete ``store``'s checkpoints not in ``keep``, except the newest
+    (:meth:`~.storage.ModelStore.delete_checkpoints`) and those its release log still points at
+    (:meth:`ReleaseState.held`: deleting the incumbent would leave nothing to serve after a
+    restart); those are kept and a warning names them and why. Returns the deleted steps and
+    the kept ones (step -> why)."""
+    held = ReleaseLog(store.root).state().held() if ReleaseLog(store.root).exists() else {}
+    steps = set(store.checkpoint_steps())
+    kept = {step: why for step, why in held.items() if step in steps and step not in keep}
+    if kept:
+        log.warning("%s/%s: kept checkpoints %s, which the release log points at: %s",
+                    store.project, store.name, sorted(kept),
+                    "; ".join(f"{s}: {why}" for s, why in sorted(kept.items())))
+    return store.delete_checkpoints(set(keep) | set(kept)), kept

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import logging
 import random
 import time
 import uuid
@@ -51,6 +52,8 @@ from ..core.spans import Span
 from ..core.trajectory import LLMCall, TrajectoryGroup, parse_group_lines
 from ..events.hookspecs import hookimpl
 from .wire import API_PREFIX, NDJSON, encode_groups
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 RETRY_STATUSES = {502, 503, 504}
@@ -376,6 +379,8 @@ class RemoteBackend(Backend):
         answer = await self._call("POST", self._model_path(model) + "/checkpoints/delete",
                                   model=model, json_body={"keep_steps": sorted(keep_steps)},
                                   keys=("deleted",))
+        for step, why in (answer.get("kept") or {}).items():  # the server keeps them; says why
+            log.warning("%s: checkpoint %s kept: %s", spec_of(model).key, step, why)
         return answer["deleted"]
 
     async def close(self) -> None:

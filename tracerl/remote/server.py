@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 from pathlib import Path
@@ -29,6 +30,7 @@ from ..core.errors import (
     TracerlError,
 )
 from ..core.model_spec import ModelSpec
+from ..core.release_log import delete_checkpoints as delete_checkpoints_of
 from ..core.storage import HISTORY_FIELDS, atomic_write_text, validate_name
 from ..core.trajectory import group_lines
 from .jobs import TrainQueue, request_marker
@@ -37,6 +39,8 @@ from .wire import API_PREFIX, NDJSON, decode_groups
 if TYPE_CHECKING:
     from ..backend.local import LocalBackend
     from ..backend.online.loop import OnlineConfig, OnlineLoop
+
+log = logging.getLogger(__name__)
 
 SMALL_BODY_BYTES = 1024 * 1024
 MAX_STEP = 2**63 - 1  # a step is a file's name and an int64 elsewhere (TensorBoard, W&B)
@@ -64,6 +68,7 @@ class ControlServer:
         self._register_locks: dict[str, asyncio.Lock] = {}
         self.ready = False
         self.online: dict[str, OnlineLoop] = {}
+        self.restore_errors: dict[str, str] = {}  # model -> why it could not be restored
 
     # --- models ----------------------------------------------------------------------------
 
@@ -122,15 +127,30 @@ class ControlServer:
             return spec
 
     async def restore(self, base_path: Path) -> list[str]:
-        """Register again every model this server's folder holds (after a restart)."""
+        """Register again every model this server's folder holds (after a restart). A model
+        that cannot be served (a corrupt definition, a missing base model) is logged and left
+        out (:meth:`unavailable` says why); the others are served."""
         restored = []
         for definition_path in sorted(Path(base_path).glob("*/models/*/model.json")):
-            spec = await self._add(
-                ModelSpec.from_definition(json.loads(definition_path.read_text()))
-            )
+            key = "/".join(definition_path.parts[-4:-1:2])  # PROJECT/models/NAME
+            try:
+                spec = await self._add(
+                    ModelSpec.from_definition(json.loads(definition_path.read_text())))
+            except Exception as e:
+                log.exception("model %s is not served: %s", key, e)
+                self.restore_errors[key] = f"{type(e).__name__}: {e}"
+                continue
             restored.append(spec.key)
         self.ready = True
         return restored
+
+    def unavailable(self) -> dict[str, str]:
+        """The models this server holds but does not serve now, ``project/name`` -> why: those
+        that could not be restored, and those whose release incumbent's checkpoint is gone."""
+        served = {k: self.backend.served(m) for k, m in self.models.items()
+                  if m.trainable or m.base_model}  # (not: comparison models, served elsewhere)
+        return {**self.restore_errors,
+                **{k: r.unavailable for k, r in served.items() if r.unavailable is not None}}
 
     async def run_online(self, key: str, config: OnlineConfig, stop: asyncio.Event) -> None:
         """Online mode for model ``key`` (``project/name``), from when it is registered until
@@ -183,7 +203,8 @@ async def _json(request: Request) -> dict[str, Any]:
 async def status(control: Control) -> dict[str, Any]:
     backend = control.backend
     return {"ready": control.ready, "training": control.queue.status(),
-            "models": {k: await backend.get_step(m) for k, m in control.models.items()}}
+            "models": {k: await backend.get_step(m) for k, m in control.models.items()},
+            "unavailable": control.unavailable()}
 
 
 @router.post("/models")
@@ -291,9 +312,13 @@ async def delete_checkpoints(project: str, name: str, control: Control, request:
                              ) -> dict[str, Any]:
     model = control.model(project, name)
     keep = (await _json(request)).get("keep_steps")
-    if not isinstance(keep, list) or not all(isinstance(s, int) and s >= 0 for s in keep):
+    if not isinstance(keep, list) or not all(isinstance(s, int) and not isinstance(s, bool)
+                                             and s >= 0 for s in keep):
         raise ConfigError("keep_steps must be a list of step numbers")
-    return {"deleted": await control.backend.delete_checkpoints(model, set(keep))}
+    # kept besides keep_steps: the newest, and what the release log points at (named, and why)
+    deleted, kept = await asyncio.to_thread(delete_checkpoints_of,
+                                            control.backend.store(model), set(keep))
+    return {"deleted": deleted, "kept": {str(step): why for step, why in kept.items()}}
 
 
 @router.get(MODEL_PATH + "/release")

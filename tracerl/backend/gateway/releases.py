@@ -30,10 +30,14 @@ def checkpoint(route: ServedModel, step: int) -> Path:
     return path
 
 
-async def attach(route: ServedModel) -> ReleaseState:
+async def attach(route: ServedModel, *, missing_ok: bool = False) -> ReleaseState:
     """Put ``route`` under release control: recover its release log (a ``begin`` without
     ``commit`` is aborted), adopt the version it serves when the log is new, load the incumbent
-    (and a canary's candidate) and route to them."""
+    (and a canary's candidate) and route to them. A candidate whose checkpoint is gone is
+    rejected (recorded). An incumbent whose checkpoint is gone leaves ``route`` unavailable
+    (:attr:`.served.ServedModel.unavailable`: its calls are 503s saying why, until a promote
+    or rollback names a checkpoint that exists): a ConfigError saying so, unless
+    ``missing_ok``."""
     releases = ReleaseLog(route.store.root)
     state = await asyncio.to_thread(releases.recover)
     if state.incumbent is None:
@@ -42,13 +46,29 @@ async def attach(route: ServedModel) -> ReleaseState:
         await asyncio.to_thread(releases.commit, "adopt", step)
         state = await asyncio.to_thread(releases.state)
     assert state.incumbent is not None
+    try:
+        path = checkpoint(route, state.incumbent)
+    except ConfigError as e:
+        route.unavailable = (f"{e}: the checkpoint of its release incumbent is gone; "
+                             f"`tracerl promote {route.key} N` serves checkpoint N")
+        log.error("%s is not served: %s", route.key, route.unavailable)
+        if missing_ok:
+            return state
+        raise ConfigError(route.unavailable) from None
+    if state.candidate is not None and not route.store.checkpoint_dir(state.candidate).is_dir():
+        await asyncio.to_thread(releases.append, "rejected", step=state.candidate,
+                                reason="its checkpoint is gone")
+        log.warning("%s: candidate %d rejected: its checkpoint is gone", route.key,
+                    state.candidate)
+        state = await asyncio.to_thread(releases.state)
     steps = {state.incumbent, *([state.candidate] if state.candidate is not None else [])}
     # loaded first, routed after: a call routed to NAME@N finds N loaded
-    await route.load_version(state.incumbent, checkpoint(route, state.incumbent), keep=steps)
+    await route.load_version(state.incumbent, path, keep=steps)
     if state.candidate is not None:
         await route.load_version(state.candidate, checkpoint(route, state.candidate), keep=steps)
     route.release = ReleaseRouting(state.incumbent, state.candidate,
                                    state.share if state.stage == "canary" else 0.0)
+    route.unavailable = None
     return state
 
 
@@ -69,15 +89,16 @@ async def move_incumbent(route: ServedModel, action: str, step: int,
     """Promote or roll back ``route`` to ``step``: ``begin`` record, the version loaded,
     ``commit`` record, routed; the old incumbent is unloaded once its calls in flight have
     finished."""
-    if route.release is None:
-        await attach(route)
-    assert route.release is not None
-    releases = ReleaseLog(route.store.root)
     path = checkpoint(route, step)
-    await asyncio.to_thread(releases.begin, action, step, route.release.incumbent, **evidence)
+    if route.release is None:  # (an incumbent whose checkpoint is gone: this move replaces it)
+        await attach(route, missing_ok=True)
+    releases = ReleaseLog(route.store.root)
+    incumbent = (await asyncio.to_thread(releases.state)).incumbent
+    await asyncio.to_thread(releases.begin, action, step, incumbent, **evidence)
     await route.load_version(step, path)
     await asyncio.to_thread(releases.commit, action, step)
     route.release = ReleaseRouting(step)  # new calls: the new incumbent
+    route.unavailable = None
     await route.load_version(step, path)  # retires the old one (after its calls in flight)
     log.info("%s: %s to version %d", route.key, action, step)
     return await asyncio.to_thread(releases.state)

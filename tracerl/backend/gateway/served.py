@@ -67,6 +67,9 @@ class ServedModel:
     versions: dict[int, Path] = field(default_factory=dict)  # resident step -> adapter path
     pins: OrderedDict[str, int] = field(default_factory=OrderedDict)  # rollout -> its version
     release: ReleaseRouting | None = None  # set: release control routes the plain name
+    # set: why the model is not served (its release incumbent's checkpoint is gone); its calls
+    # are 503s saying so, the other models are served (.releases.attach)
+    unavailable: str | None = None
     # set: online mode; each plain call is a live rollout with an id from it (online/live_calls)
     live: Callable[[], str] | None = None
 
@@ -225,13 +228,20 @@ class ModelTable(Mapping[str, ServedModel]):
         return not any(m.name == served.name and m is not served for m in self._models.values())
 
     def listing(self) -> list[str]:
-        """Every name a caller may use (``/v1/models``), model by model."""
+        """Every name a caller may use (``/v1/models``), model by model (an unavailable model's
+        are left out: see :meth:`unavailable`)."""
         ids: list[str] = []
         for m in self._models.values():
+            if m.unavailable is not None:
+                continue
             ids += dict.fromkeys((m.key, str(ModelName.of(m.key, m.step)),
                                   *([m.name] if self._unique(m) else []),
                                   m.engine.spec.served_name))
         return ids
+
+    def unavailable(self) -> dict[str, str]:
+        """The models not served now, ``project/name`` -> why."""
+        return {k: m.unavailable for k, m in self._models.items() if m.unavailable is not None}
 
     def route(self, requested: Any, rollout_id: str | None = None
               ) -> tuple[ServedModel, str, int | None]:
@@ -261,6 +271,10 @@ class ModelTable(Mapping[str, ServedModel]):
             )
             raise EngineRequestError(f"The model `{requested}` does not exist. Served: {known}",
                                      status=404, param="model", code="model_not_found")
+        if served.unavailable is not None:
+            raise EngineRequestError(f"The model `{requested}` is not served now: "
+                                     f"{served.unavailable}", status=503, param="model",
+                                     code="model_unavailable")
         engine_model, step = served.resolve(str(asked.local) if asked.qualified else requested,
                                             rollout_id)
         return served, engine_model, step

@@ -102,7 +102,6 @@ class OnlineLoop:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Tick every ``poll_s`` until ``stop`` is set; a failing tick is logged and retried."""
-        await self.start()
         while not stop.is_set():
             try:
                 await self.tick()
@@ -117,6 +116,8 @@ class OnlineLoop:
     async def tick(self) -> str:
         """One round (see the module's doc); returns what it did."""
         if not self._started:
+            if self.control.route.unavailable is not None:
+                return "unavailable"  # (logged once, by attach) until a promote serves one
             await self.start()
         state = self.control.state()
         await self._expire(state)
