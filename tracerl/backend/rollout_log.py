@@ -27,6 +27,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 from ..core.errors import RequestError
 from ..core.spans import Span
 from ..core.storage import ModelStore, append_jsonl, read_jsonl, validate_name
+from ..core.trajectory import MAX_REWARD
 
 LATE_CALLS = "_late.jsonl"  # in calls/: its name cannot be a rollout id (leading ``_``)
 
@@ -218,6 +219,16 @@ def finite_number(value: Any, param: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise invalid(param, f"must be a finite number, got {value!r}")
     return float(value)
+
+
+def reward_number(value: Any, param: str = "reward") -> float:
+    """A reward, refused (naming ``param``) unless a finite number within ``±MAX_REWARD``
+    (:data:`~tracerl.core.trajectory.MAX_REWARD`: a group's sums and variances stay finite)."""
+    reward = finite_number(value, param)
+    if abs(reward) > MAX_REWARD:
+        raise invalid(param, f"{value!r} is beyond ±{MAX_REWARD:g}: rewards that large overflow "
+                             "a group's mean and variance; scale them down")
+    return reward
 
 
 def metrics_of(value: Any) -> dict[str, float]:

@@ -248,6 +248,9 @@ class OnlineConfig(_Strict):
     max_pending: int | None = Field(None, ge=1, description="live calls kept "
                                     "waiting; default: TRACERL_ONLINE_MAX_PENDING")
     rollout_api: bool = Field(True, description="also train on finished rollout-API groups")
+    batch_tries: int = Field(3, ge=1, description="tries of a batch whose training fails "
+                             "before it is set aside (online/failed_batches.jsonl) and the loop "
+                             "moves on to new groups")
     on_hold: Literal["reject", "wait"] = Field(
         "reject", description="a candidate the gates hold (latency, length, repeats, broken "
         "tool calls drifted): 'reject' it and train on, or 'wait' for tracerl promote/rollback")

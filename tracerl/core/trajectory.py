@@ -57,6 +57,11 @@ def _check_finite(name: str, value: float) -> float:
 
 
 
+# |reward| above this is refused where rewards enter (feedback, the rollout API, a training
+# step's trajectories): a group's sum and variance of rewards stay finite, its loss too
+MAX_REWARD = 1e6
+
+
 def _metrics_dict(value: Any) -> dict[str, float]:
     if not isinstance(value, dict):
         raise InvalidTrajectoryError("metrics must be a dict of name -> number")

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from ..backend.local import LocalBackend
     from ..backend.online.loop import OnlineConfig, OnlineLoop
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 SMALL_BODY_BYTES = 1024 * 1024
 MAX_STEP = 2**63 - 1  # a step is a file's name and an int64 elsewhere (TensorBoard, W&B)
@@ -137,7 +137,7 @@ class ControlServer:
                 spec = await self._add(
                     ModelSpec.from_definition(json.loads(definition_path.read_text())))
             except Exception as e:
-                log.exception("model %s is not served: %s", key, e)
+                logger.exception("model %s is not served: %s", key, e)
                 self.restore_errors[key] = f"{type(e).__name__}: {e}"
                 continue
             restored.append(spec.key)

@@ -56,11 +56,11 @@ from ..rollout_log import (
     ExternalRollout,
     ModelLogs,
     ModelRollouts,
-    finite_number,
     invalid,
     late_calls_path,
     metrics_of,
     read_spans,
+    reward_number,
     spans_path,
 )
 from .request_body import parse_json_object, read_limited_body
@@ -379,7 +379,7 @@ def _reward_event(kind: str, rollout_id: str, body: dict[str, Any]) -> dict[str,
     event: dict[str, Any] = {"event": kind, "rollout_id": rollout_id, "at": time.time(),
                              "metrics": metrics_of(body.get("metrics"))}
     if kind == "reward" or body.get("reward") is not None:
-        event["reward"] = finite_number(body.get("reward"), "reward")
+        event["reward"] = reward_number(body.get("reward"))
     if kind == "finish":
         status = body.get("status", "ok")
         if status not in STATUSES:

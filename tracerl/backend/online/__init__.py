@@ -5,6 +5,7 @@ In flow order:
   (``/v1/feedback/{response_id}``) comes later; expiry; groups by task key.
 - ``loop.py``: :class:`OnlineLoop`: expire, judge the canary, train a batch of live calls from
   the incumbent and release it through canary and gates.
+- ``batches.py``: batches whose training failed: recorded, set aside after ``batch_tries``.
 - ``release.py``: release control: a trained version goes shadow -> canary (a sticky share of
   rollouts) -> promoted or rolled back, each stage in the model's release log.
 - ``seam.py``: what online mode and release control ask of the backend (typed interfaces that

@@ -59,9 +59,9 @@ from ..rollout_log import (
     EventLog,
     ExternalRollout,
     ModelLogs,
-    finite_number,
     invalid,
     metrics_of,
+    reward_number,
 )
 
 if TYPE_CHECKING:
@@ -211,8 +211,8 @@ def _feedback(body: dict[str, Any]) -> tuple[float, dict[str, float]]:
             raise invalid("thumbs", f"must be 'up' or 'down', got {body['thumbs']!r}")
         reward = THUMBS[body["thumbs"]]
     else:
-        reward = finite_number(body["reward"], "reward")
-    return reward, metrics_of(body.get("metrics") or None)
+        reward = reward_number(body["reward"])
+    return reward, metrics_of(body.get("metrics"))
 
 
 class LiveCalls:

@@ -31,11 +31,12 @@ from typing import TYPE_CHECKING, Any
 
 from ...core import settings
 from ...core.config import OnlineConfig
-from ...core.errors import ConfigError
+from ...core.errors import ConfigError, StorageError, TrainingError
 from ...core.model_spec import ModelSpec, spec_of
 from ...core.release_log import ReleaseState
 from ...events.lifecycle import online_batch, train_event
 from ..gateway.rollout_api import build_groups
+from .batches import FailedBatches
 from .gates import Gates, Verdict
 from .live_calls import live_rollout_id
 from .release import ReleaseControl
@@ -80,6 +81,7 @@ class OnlineLoop:
         self.expired_rollouts = 0
         self._evaluated_at = 0  # canary rewards counted at the last gate evaluation
         self._started = False
+        self.batches = FailedBatches(self.store, spec_of(model).key)
 
     @property
     def store(self) -> ModelStore:
@@ -165,26 +167,28 @@ class OnlineLoop:
     async def _train(self) -> str:
         cfg, store, spec = self.config, self.store, self.spec
         step = store.latest_step() + 1
-        batch = f"online-{step:04d}"
+        batch = await asyncio.to_thread(self.batches.next_id, step)
         live_ready = await asyncio.to_thread(self.live.ready, store, cfg.group_size)
         api_ready = self.backend.rollouts.counts(store)["ready_groups"] \
             if cfg.rollout_api else 0
         if not self.live.has_batch(store, batch) and \
                 live_ready + api_ready < cfg.groups_per_step:
             return "collecting"
-        taken = await asyncio.to_thread(self.live.take, store, cfg.groups_per_step,
-                                        cfg.group_size, batch)
-        groups = await asyncio.to_thread(build_groups, taken, store, self.backend.call_store,
-                                         self.backend.rollouts)
-        missing = cfg.groups_per_step - len(groups)
-        if missing and cfg.rollout_api:
-            groups += await self.backend.take_external_groups(spec, missing, batch)
-        incumbent = self.control.state().incumbent
-        assert incumbent is not None
-        if store.latest_step() != incumbent:  # never train on from a rolled-back candidate
-            await self.backend.train_from(spec, incumbent)
-        await online_batch(spec, step, groups)
-        trained = await self._train_step(spec, groups)
+        started: list[bool] = []
+        try:
+            groups = await self._take(batch)
+            incumbent = self.control.state().incumbent
+            assert incumbent is not None
+            if store.latest_step() != incumbent:  # never train on from a rolled-back candidate
+                await self.backend.train_from(spec, incumbent)
+            await online_batch(spec, step, groups)
+            trained = await self._train_step(spec, groups, started)
+        except Exception as e:
+            if not started and isinstance(e, TrainingError | StorageError):
+                raise  # the backend busy, a full disk: not the batch's fault; tried again
+            if not await asyncio.to_thread(self.batches.failed, batch, e, cfg.batch_tries):
+                raise  # logged by run(); tried again next tick
+            return "set aside"
         self.trained.append(trained)
         await self.control.propose(trained)
         await self.control.start_canary(cfg.canary_share)
@@ -193,9 +197,24 @@ class OnlineLoop:
                  "new calls", spec.key, trained, len(groups), incumbent, 100 * cfg.canary_share)
         return "trained"
 
-    async def _train_step(self, spec: ModelSpec, groups: list[Any]) -> int:
+    async def _take(self, batch: str) -> list[Any]:
+        """The groups of ``batch``: live ones, topped up from the rollout API (a batch taken
+        before: the same groups again)."""
+        cfg, store = self.config, self.store
+        taken = await asyncio.to_thread(self.live.take, store, cfg.groups_per_step,
+                                        cfg.group_size, batch)
+        groups = await asyncio.to_thread(build_groups, taken, store, self.backend.call_store,
+                                         self.backend.rollouts)
+        missing = cfg.groups_per_step - len(groups)
+        if missing and cfg.rollout_api:
+            groups += await self.backend.take_external_groups(self.spec, missing, batch)
+        return groups
+
+    async def _train_step(self, spec: ModelSpec, groups: list[Any], started: list[bool]
+                          ) -> int:
         step = 0
         async for event in self.backend.train_events(spec, groups, self.config.train):
+            started.append(True)
             await train_event(spec, event, groups, self.config.train)  # the server's plugins
             if event.kind == "done":
                 step = event.step
@@ -211,5 +230,6 @@ class OnlineLoop:
                 "ready_groups": self.live.ready(self.store, self.config.group_size),
                 "incumbent": state.incumbent, "candidate": state.candidate,
                 "stage": state.stage, "trained_steps": self.trained,
+                **self.batches.status(),
                 "last_verdict": None if verdict is None else {
                     "decision": verdict.decision, "tripped": verdict.tripped}}

@@ -17,7 +17,7 @@ from typing import Any
 from openai.types.chat.chat_completion import Choice
 
 from ...core.errors import InvalidTrajectoryError
-from ...core.trajectory import Conversation, LLMCall, TrajectoryGroup, is_greedy
+from ...core.trajectory import MAX_REWARD, Conversation, LLMCall, TrajectoryGroup, is_greedy
 
 NAN = float("nan")
 
@@ -190,10 +190,15 @@ def check_token_records(groups: list[TrajectoryGroup], vocab_size: int, context:
     (``groups[g].trajectories[t].llm_calls[c]...``): a token id outside ``[0, vocab_size)``
     (the embedding would index past its end), ids and logprobs of different lengths, or a call
     whose prompt and completion are longer than ``context`` tokens (the served context length:
-    the engine cannot have sampled it). Run before a step queues or writes anything."""
+    the engine cannot have sampled it), a reward beyond ``±MAX_REWARD`` (its group's mean and
+    variance would overflow). Run before a step queues or writes anything."""
     for g, group in enumerate(groups):
         for t, trajectory in enumerate(group.trajectories):
             where = f"groups[{g}].trajectories[{t}]"
+            if abs(trajectory.reward) > MAX_REWARD:
+                raise InvalidTrajectoryError(
+                    f"{where}.reward: {trajectory.reward!r} is beyond ±{MAX_REWARD:g}: rewards "
+                    "that large overflow the group's mean and variance; scale them down")
             _check_choices(where, trajectory.messages_and_choices, vocab_size)
             for h, history in enumerate(trajectory.additional_histories):
                 _check_choices(f"{where}.additional_histories[{h}]",
