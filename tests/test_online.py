@@ -59,6 +59,10 @@ async def test_feedback_is_validated_before_it_is_written_and_names_the_response
                             ({}, "reward"), ({"reward": 1.0, "thumbs": "up"}, "reward"),
                             ({"reward": 1.0, "stars": 5}, "stars"),
                             ({"reward": 1.0, "metrics": {"len": "long"}}, "metrics.len"),
+                            ({"reward": 1e308}, "reward"), ({"reward": -1.5e6}, "reward"),
+                            ({"reward": 1.0, "metrics": []}, "metrics"),
+                            ({"reward": 1.0, "metrics": 0}, "metrics"),
+                            ({"reward": 1.0, "metrics": False}, "metrics"),
                             ([1, 2], "body")):
             r = await http.post(f"/feedback/{response_id}", json=body)
             assert r.status_code == 400 and r.json()["error"]["param"] == field, (body, r.text)

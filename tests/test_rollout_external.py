@@ -166,6 +166,9 @@ INVALID = {
     "bad metadata": ("/v1/rollouts", {"model": "ext", "metadata": [1]}, "metadata"),
     "reward not a number": ("/v1/rollouts/{id}/reward", {"reward": "high"}, "reward"),
     "reward missing": ("/v1/rollouts/{id}/reward", {}, "reward"),
+    # two of them overflow their group's mean: the loss would be NaN
+    "reward overflowing": ("/v1/rollouts/{id}/reward", {"reward": 1e308}, "reward"),
+    "finish reward overflowing": ("/v1/rollouts/{id}/finish", {"reward": -2e6}, "reward"),
     "bad metric": ("/v1/rollouts/{id}/reward", {"reward": 1, "metrics": {"a": "x"}},
                    "metrics.a"),
     "bad status": ("/v1/rollouts/{id}/finish", {"status": "done"}, "status"),
