@@ -272,6 +272,7 @@ class DynamicSampling(_Strict):
         "many times its rollouts); when the bound is hit the step trains on the groups with "
         "signal it has (DAPO's verl recipe: max_num_gen_batches)")
     max_seconds: float | None = Field(
-        None, gt=0, description="no further group is drawn for a step after this many seconds "
-        "of drawing (None: only the draw bound); the pipeline stops setting groups aside once "
-        "the trainer has waited this long for its batch")
+        None, gt=0, description="no replacement group is drawn for a step after this many "
+        "seconds of drawing (None: only the draw bound); the pipeline stops setting groups aside "
+        "once the trainer has waited this long for its batch; gather_external_groups waits this "
+        "long for replacements (None: its timeout_s)")

@@ -135,7 +135,7 @@ class RolloutPipeline(Generic[ScenarioT, ConfigT]):
     ``dynamic_sampling`` (off by default): a finished group without signal (equal rewards) is
     set aside, its admission slot given back so that another scenario starts in its place,
     until the batch has ``groups_per_step`` groups with signal or the step's bound is hit
-    (``max_draw_factor * groups_per_step`` groups judged, or the trainer waited
+    (``(max_draw_factor - 1) * groups_per_step`` groups set aside, or the trainer waited
     ``max_seconds``); past the bound such groups are trained (nothing learnt) so that the
     trainer moves on. Counts are logged under the ``sampling`` split (:mod:`.sampling`)."""
 
@@ -274,7 +274,7 @@ class RolloutPipeline(Generic[ScenarioT, ConfigT]):
         if report is None:
             return True
         report.drawn += 1
-        if report.drawn > report.limit:
+        if len(report.discarded) >= report.limit - report.asked:  # replacements drawn
             report.bound = "draws"
         elif report.out_of_time():
             report.bound = "time"

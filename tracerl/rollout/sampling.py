@@ -9,8 +9,8 @@ recipe (``algorithm.filter_groups``) bounds the draws by ``max_num_gen_batches``
 - :func:`draw_groups` keeps ``asked - kept`` groups running and starts one more from the source
   each time a finished group is set aside (no round barrier: a replacement starts as soon as a
   group is judged), until ``asked`` groups have signal or the bound is hit: at most
-  ``max_draw_factor * asked`` groups drawn, none started after ``max_seconds``, or the source
-  ran out. Then the step trains on the groups with signal it has (on the set-aside ones when it
+  ``max_draw_factor * asked`` groups drawn, no replacement started after ``max_seconds``, or
+  the source ran out. Then the step trains on the groups with signal it has (on the set-aside ones when it
   has none: the step trains nothing, but happens and is counted, as without dynamic sampling);
 - :class:`SamplingReport` counts a step's draws: ``groups_drawn``; ``groups_kept`` (with
   signal, trained); ``groups_discarded`` (set aside, not trained); of all groups without signal,
@@ -93,6 +93,7 @@ class SamplingReport:
         return math.ceil(self.cfg.max_draw_factor * self.asked)
 
     def out_of_time(self) -> bool:
+        """``max_seconds`` have passed since the step began drawing."""
         return (self.cfg.max_seconds is not None
                 and time.monotonic() - self.started >= self.cfg.max_seconds)
 
@@ -133,9 +134,11 @@ class SamplingReport:
         """The step-health line when the bound was hit: what was seen and what to change."""
         if self.bound is None:
             return None
+        limit = self.cfg.max_seconds
         why = {"draws": f"the draw bound was reached ({self.drawn} groups: max_draw_factor="
                         f"{self.cfg.max_draw_factor:g} x {self.asked})",
-               "time": f"max_seconds={self.cfg.max_seconds:g} passed",
+               "time": (f"max_seconds={limit:g} passed" if limit is not None
+                        else "no replacement came within timeout_s"),
                "exhausted": "the groups to draw from ran out"}[self.bound]
         equal = ", ".join(f"{n} at {r:g}" for r, n in self.equal_at.most_common(3))
         seen = (f"{self.verdicts['equal_rewards']} groups had equal rewards ({equal}), "
@@ -176,6 +179,7 @@ async def draw_groups(source: Iterator[T], report: SamplingReport,
     ``report.asked`` of them carry signal or the bound is hit; those with signal come back in
     draw order."""
     running: dict[asyncio.Task[list[TrajectoryGroup]], int] = {}
+    drawn: dict[int, list[TrajectoryGroup]] = {}
     kept: dict[int, list[TrajectoryGroup]] = {}
     bound: Bound | None = None
     try:
@@ -183,7 +187,7 @@ async def draw_groups(source: Iterator[T], report: SamplingReport,
             while report.kept + len(running) < report.asked and bound is None:
                 if report.drawn >= report.limit:
                     bound = "draws"
-                elif report.out_of_time():
+                elif report.drawn >= report.asked and report.out_of_time():  # a replacement
                     bound = "time"
                 elif (item := next(source, None)) is None:
                     bound = "exhausted"
@@ -195,12 +199,15 @@ async def draw_groups(source: Iterator[T], report: SamplingReport,
             done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 index = running.pop(task)
-                kept[index] = [g for g in task.result() if report.judge(g)]
+                drawn[index] = task.result()
+                kept[index] = [g for g in drawn[index] if report.judge(g)]
             if report.kept >= report.asked:
                 break
     finally:
         for task in running:
             task.cancel()
+    order = {id(g): i for i, groups in drawn.items() for g in groups}
+    report.discarded.sort(key=lambda g: order[id(g)])  # in draw order, as the kept ones
     report.finish(bound)
     return step_groups([g for i in sorted(kept) for g in kept[i]], report)
 
