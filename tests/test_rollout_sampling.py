@@ -233,12 +233,12 @@ async def test_the_pipeline_trains_equal_groups_past_its_bound(tf_backend, caplo
 
 
 def flat_or_mixed_task() -> Task:
-    """A task whose even-numbered items reward every rollout 1 (no signal) and whose odd ones
+    """A task whose odd-numbered items reward every rollout 1 (no signal) and whose even ones
     reward a group's rollouts 0, 1, 0, ... in turn; each rollout makes one real call."""
     played: Counter[str] = Counter()
 
     def draw(seed: int, n: int) -> list[Item]:
-        return [Item(f"item-{seed}-{i}", {"flat": i % 2 == 0}) for i in range(n)]
+        return [Item(f"item-{seed}-{i}", {"flat": i % 2 == 1}) for i in range(n)]
 
     async def rollout(model, item: Item, temperature: float = 1.0, step: int | None = None
                       ) -> tracerl.Trajectory:
@@ -265,14 +265,18 @@ async def test_train_task_trains_only_items_with_signal(tf_backend):
                            dynamic_sampling=tracerl.DynamicSampling())
     (sampling,) = run.sampling
     assert sampling["sampling/groups_kept"] == 2 and sampling["sampling/bound_hit"] == 0
-    drawn = task.items("train", math.ceil(2 * 3.0), seed=0 * 100_003 + 1)
-    mixed = [i.key for i in drawn if not i.data["flat"]][:2]
-    saved = read_groups_jsonl(backend.store(model).trajectories_path("train", 1))
-    assert [g.trajectories[0].metadata["item"] for g in saved] == mixed
+    drawn = [i.key for i in task.items("train", math.ceil(2 * 3.0), seed=0 * 100_003 + 1)]
+    # train items 1, 3 (flat), 4, 5 (flat), 6: two flat first, so two replacements, one flat
+    assert drawn[:5] == [f"item-7919-{i}" for i in (1, 3, 4, 5, 6)]
+    store = backend.store(model)
+    saved = read_groups_jsonl(store.trajectories_path("train", 1))
+    assert [g.trajectories[0].metadata["item"] for g in saved] == ["item-7919-4", "item-7919-6"]
     assert all(len(t.llm_calls) == 1 for g in saved for t in g.trajectories)  # real calls
-    flat = read_groups_jsonl(backend.store(model).trajectories_path("discarded", 1))
-    assert flat and all(verdict(g, 1e-6) == "equal_rewards" for g in flat)
-    assert sampling["sampling/groups_discarded"] == len(flat)
+    flat = read_groups_jsonl(store.trajectories_path("discarded", 1))
+    assert [g.trajectories[0].metadata["item"] for g in flat] == [
+        "item-7919-1", "item-7919-3", "item-7919-5"]
+    assert all(len(t.llm_calls) == 1 for g in flat for t in g.trajectories)
+    assert (sampling["sampling/groups_drawn"], sampling["sampling/groups_discarded"]) == (5, 3)
 
 
 async def test_rollout_api_groups_with_equal_rewards_are_set_aside_and_reported(tf_backend):

@@ -262,8 +262,8 @@ class DynamicSampling(_Strict):
 
     groups: int | None = Field(
         None, ge=1, description="groups with signal a step needs; None: the loop's own "
-        "(train_task's items_per_step, the pipeline's groups_per_step); gather_trajectory_groups "
-        "and gather_external_groups need it")
+        "(train_task's items_per_step, the pipeline's groups_per_step, gather_external_groups' "
+        "n_groups); gather_trajectory_groups needs it")
     tolerance: float = Field(
         1e-6, ge=0, description="rewards of a group whose highest and lowest differ by at most "
         "this count as equal (float noise, or near-ties a std-scaled advantage would blow up)")
