@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from .core.backend import Backend, InferenceEndpoint, TrainEvent
 from .core.config import (
     DistributedTrainerConfig,
+    DynamicSampling,
     EngineConfig,
     LoraConfig,
     ModelConfig,
@@ -90,6 +91,7 @@ __all__ = [
     "ConfigError",
     "ContextThreadPoolExecutor",
     "DistributedTrainerConfig",
+    "DynamicSampling",
     "EngineConfig",
     "EngineError",
     "History",

@@ -24,6 +24,7 @@ from .cli import build_parser
 from .core import settings
 from .core.config import (
     DistributedTrainerConfig,
+    DynamicSampling,
     EngineConfig,
     LoraConfig,
     ModelConfig,
@@ -38,8 +39,8 @@ PAGE = Path("docs") / "configuration.md"
 
 # the models a user fills in, in the order a reader meets them
 CONFIG_MODELS: tuple[type[BaseModel], ...] = (
-    TrainConfig, TrainSFTConfig, ModelConfig, LoraConfig, EngineConfig, DistributedTrainerConfig,
-    ModelSpec, OnlineConfig)
+    TrainConfig, TrainSFTConfig, DynamicSampling, ModelConfig, LoraConfig, EngineConfig,
+    DistributedTrainerConfig, ModelSpec, OnlineConfig)
 
 _BOUNDS = ((annotated_types.Gt, "gt", ">"), (annotated_types.Ge, "ge", ">="),
            (annotated_types.Lt, "lt", "<"), (annotated_types.Le, "le", "<="))

@@ -254,3 +254,28 @@ class OnlineConfig(_Strict):
     on_hold: Literal["reject", "wait"] = Field(
         "reject", description="a candidate the gates hold (latency, length, repeats, broken "
         "tool calls drifted): 'reject' it and train on, or 'wait' for tracerl promote/rollback")
+
+
+class DynamicSampling(_Strict):
+    """DAPO's dynamic sampling: a group whose rewards are all equal gives every rollout the same
+    advantage (0), so it teaches GRPO nothing; such groups are set aside and more groups are
+    drawn until the step has ``groups`` with a spread of rewards, within a bound of draws and
+    time. Off unless given (``gather_trajectory_groups(..., dynamic_sampling=...)``,
+    ``RolloutPipeline``, ``train_task``, ``gather_external_groups``)."""
+
+    groups: int | None = Field(
+        None, ge=1, description="groups with signal a step needs; None: the loop's own "
+        "(train_task's items_per_step, the pipeline's groups_per_step, gather_external_groups' "
+        "n_groups); gather_trajectory_groups needs it")
+    tolerance: float = Field(
+        1e-6, ge=0, description="rewards of a group whose highest and lowest differ by at most "
+        "this count as equal (float noise, or near-ties a std-scaled advantage would blow up)")
+    max_draw_factor: float = Field(
+        3.0, ge=1, description="a step draws at most this many times `groups` groups (so this "
+        "many times its rollouts); when the bound is hit the step trains on the groups with "
+        "signal it has (DAPO's verl recipe: max_num_gen_batches)")
+    max_seconds: float | None = Field(
+        None, gt=0, description="no replacement group is drawn for a step after this many "
+        "seconds of drawing (None: only the draw bound); the pipeline stops setting groups aside "
+        "once the trainer has waited this long for its batch; gather_external_groups waits this "
+        "long for replacements (None: its timeout_s)")

@@ -6,6 +6,8 @@ In flow order:
 - ``client.py``: OpenAI clients that attribute each request to the current rollout.
 - ``aiohttp_transport.py``: openai's aiohttp transport with network errors reported truly.
 - ``gather.py``: runs rollouts concurrently, each in its rollout context, under a timeout.
+- ``sampling.py``: dynamic sampling (DAPO): groups with equal rewards set aside and more drawn,
+  within a bound, with the step's counts.
 - ``external.py``: ``gather_external_groups``, groups of rollouts that an outside service ran
   through the gateway's rollout API.
 - ``pipeline.py``: ``PipelineTrainer`` / ``RolloutPipeline``, rollouts overlapped with training

@@ -13,13 +13,14 @@ import math
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from tqdm.auto import tqdm
 
 from ..core import settings
+from ..core.config import DynamicSampling
 from ..core.context import (
     RolloutContext,
     current_rollout,
@@ -41,6 +42,7 @@ from ..core.trajectory import (
 from ..core.watchdog import watch
 from ..events.lifecycle import trajectory_finished
 from .client import CLOSED_KEY
+from .sampling import SampledGroups, SamplingReport, draw_groups, groups_wanted
 
 DEFAULT_ROLLOUT_TIMEOUT_S = 600.0
 SPAN_POLL_FIRST_S, SPAN_POLL_MAX_S = 0.01, 0.25  # polls for spans posted after the answer
@@ -77,6 +79,13 @@ class GatherContext:
             )
         if self.show_progress:
             self._bar = tqdm(total=self.total, desc=self.desc, file=sys.stderr, dynamic_ncols=True)
+
+    def add(self, rollouts: int) -> None:
+        """More rollouts to run (a group drawn by dynamic sampling)."""
+        self.total += rollouts
+        if self._bar is not None:
+            self._bar.total = self.total
+            self._bar.refresh()
 
     @property
     def allowed_exceptions(self) -> float:
@@ -308,6 +317,7 @@ async def gather_trajectory_groups(
     after_each: AfterEach | None = None,
     rollout_timeout: float | None = DEFAULT_ROLLOUT_TIMEOUT_S,
     show_progress: bool = True,
+    dynamic_sampling: DynamicSampling | None = None,
 ) -> list[TrajectoryGroup]:
     """Run groups of rollouts concurrently and return their groups in input order.
 
@@ -318,10 +328,21 @@ async def gather_trajectory_groups(
     every rollout (None: no bound). The progress bar shows the mean reward, the mean of each
     metric (the first ``max_metrics``) and the completion tokens recorded so far (always, so
     ART's ``pbar_total_completion_tokens`` is accepted and changes nothing).
+
+    ``dynamic_sampling`` (off by default, as in ART): ``groups`` is then read lazily, as a
+    source to draw from (a generator over more items than a step needs), until
+    ``dynamic_sampling.groups`` groups have rewards that differ; groups with equal rewards are
+    set aside (:mod:`.sampling`). The result is then a :class:`~.sampling.SampledGroups` whose
+    report ``model.train`` logs with the step.
     """
     del pbar_total_completion_tokens
-    groups = list(groups)
-    total = sum(len(g) if isinstance(g, PendingTrajectoryGroup) else 1 for g in groups)
+    if dynamic_sampling is not None:
+        asked = groups_wanted(dynamic_sampling, None, "gather_trajectory_groups")
+        source: Iterator[Awaitable[TrajectoryGroup]] = iter(groups)
+        groups, total = [], 0
+    else:
+        groups = list(groups)
+        total = sum(len(g) if isinstance(g, PendingTrajectoryGroup) else 1 for g in groups)
     gather = GatherContext(
         total=total,
         max_exceptions=max_exceptions,
@@ -334,6 +355,9 @@ async def gather_trajectory_groups(
     tasks = [asyncio.create_task(_await_group(g, i, after_each)) for i, g in enumerate(groups)]
     try:
         with watch("gather", f"gather {pbar_desc or ''}".strip(), gather.describe_pending):
+            if dynamic_sampling is not None:
+                return await _draw_with_signal(source, SamplingReport(asked, dynamic_sampling),
+                                               gather, after_each)
             if tasks:
                 done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
                 for t in done:
@@ -345,6 +369,18 @@ async def gather_trajectory_groups(
             t.cancel()
         _gather_ctx.reset(token)
         gather.close()
+
+
+async def _draw_with_signal(source: Iterator[Awaitable[TrajectoryGroup]], report: SamplingReport,
+                            gather: GatherContext, after_each: AfterEach | None
+                            ) -> SampledGroups:
+    """Dynamic sampling's draws from ``source``, each group run as gather runs it."""
+    def run(group: Awaitable[TrajectoryGroup], index: int
+            ) -> Coroutine[None, None, list[TrajectoryGroup]]:
+        gather.add(len(group) if isinstance(group, PendingTrajectoryGroup) else 1)
+        return _await_group(group, index, after_each)
+
+    return await draw_groups(source, report, run)
 
 
 async def gather_trajectories(

@@ -23,6 +23,7 @@ from ..core.trajectory import LLMCall, Trajectory, TrajectoryGroup, attach_scope
 from ..events.lifecycle import step_logged, train_event
 from . import client as _client
 from .gather import why_no_training_data
+from .sampling import SampledGroups, log_sampling
 
 if TYPE_CHECKING:
     from ..core.backend import Backend
@@ -281,6 +282,9 @@ class TrainableModel(Model):
                     f"{k}={v:.4g}" for k, v in event.metrics.items()))
             if event.kind == "done":
                 metrics = event.metrics
+                if isinstance(trajectory_groups, SampledGroups):  # dynamic sampling's draws
+                    metrics = {**metrics, **await log_sampling(
+                        self, trajectory_groups.sampling, event.step)}
         return metrics
 
     async def train_sft(self, trajectories: Iterable[Trajectory],

@@ -57,9 +57,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, Literal, TypeVar, cast
 
-from ..core.config import TrainConfig
+from ..core.config import DynamicSampling, TrainConfig
 from ..core.errors import ConfigError, NotRegisteredError
 from ..core.trajectory import Trajectory, TrajectoryGroup, attach_scoped_calls
+from .sampling import DISCARDED_SPLIT, SamplingReport, log_sampling, verdict
 
 if TYPE_CHECKING:
     from ..core.backend import Backend
@@ -121,6 +122,7 @@ class TrainedStep:
     metrics: dict[str, float]
     dropped_stale: int = 0
     steps_off_policy: list[int] = field(default_factory=list)  # per trained group
+    discarded: int = 0  # groups set aside by dynamic sampling (equal rewards)
 
 
 class RolloutPipeline(Generic[ScenarioT, ConfigT]):
@@ -128,14 +130,22 @@ class RolloutPipeline(Generic[ScenarioT, ConfigT]):
 
     ``staleness`` says what keeps groups within ``max_steps_off_policy``: ``"admit"`` (hold a
     group that would not finish in time until the next step, and pace the trainer so that no
-    finished group goes stale) or ``"drop"`` (drop what went stale); see the module's doc."""
+    finished group goes stale) or ``"drop"`` (drop what went stale); see the module's doc.
+
+    ``dynamic_sampling`` (off by default): a finished group without signal (equal rewards) is
+    set aside, its admission slot given back so that another scenario starts in its place,
+    until the batch has ``groups_per_step`` groups with signal or the step's bound is hit
+    (``(max_draw_factor - 1) * groups_per_step`` groups set aside, or the trainer waited
+    ``max_seconds``); past the bound such groups are trained (nothing learnt) so that the
+    trainer moves on. Counts are logged under the ``sampling`` split (:mod:`.sampling`)."""
 
     def __init__(self, model: TrainableModel, rollout_fn: RolloutFn[ScenarioT, ConfigT],
                  scenarios: Iterable[ScenarioT] | AsyncIterator[ScenarioT],
                  config: ConfigT | None = None, *, groups_per_step: int = 4,
                  max_steps_off_policy: int = 4, num_rollout_workers: int | None = None,
                  train_config: TrainConfig | None = None,
-                 staleness: Staleness = "admit") -> None:
+                 staleness: Staleness = "admit",
+                 dynamic_sampling: DynamicSampling | None = None) -> None:
         if groups_per_step < 1:
             raise ConfigError("groups_per_step must be >= 1")
         if max_steps_off_policy < 0:
@@ -161,6 +171,11 @@ class RolloutPipeline(Generic[ScenarioT, ConfigT]):
         self.num_rollout_workers = num_rollout_workers or groups_per_step * (
             max_steps_off_policy + 1)
         self.train_config = train_config or TrainConfig()
+        if dynamic_sampling is not None and dynamic_sampling.groups not in (None,
+                                                                             groups_per_step):
+            raise ConfigError(f"dynamic_sampling.groups must be None or the pipeline's "
+                              f"groups_per_step ({groups_per_step}), got {dynamic_sampling.groups}")
+        self.dynamic_sampling = dynamic_sampling
         self._scenarios = scenarios
         self._policy = 0
         self._start = 0
@@ -253,10 +268,30 @@ class RolloutPipeline(Generic[ScenarioT, ConfigT]):
         oldest = self._policy - self.max_steps_off_policy
         return any(n > 0 and version <= oldest for version, n in self._running.items())
 
-    async def _collect(self, ready: list[_Finished], workers: int, finished: list[int]
+    async def _keep(self, item: _Finished, report: SamplingReport | None) -> bool:
+        """Whether a finished group joins the batches: always, but with dynamic sampling one
+        without signal is set aside (its slot given back to admission) until the bound."""
+        if report is None:
+            return True
+        report.drawn += 1
+        if len(report.discarded) >= report.limit - report.asked:  # replacements drawn
+            report.bound = "draws"
+        elif report.out_of_time():
+            report.bound = "time"
+        if report.judge(item.group, set_aside=report.bound is None) or report.bound:
+            return True
+        async with self._changed:  # another scenario starts in its place
+            self._admitted -= 1
+            self._pending -= 1
+            self._changed.notify_all()
+        return False
+
+    async def _collect(self, ready: list[_Finished], workers: int, finished: list[int],
+                       report: SamplingReport | None = None
                        ) -> tuple[list[_Finished], list[_Finished]]:
         """The next batch and the groups dropped as stale on the way. ``ready`` holds finished
-        groups not trained yet (those left over stay in it for the next batch)."""
+        groups not trained yet (those left over stay in it for the next batch); ``report``
+        judges arriving groups (dynamic sampling)."""
         dropped: list[_Finished] = []
         admit = self.staleness == "admit"
 
@@ -278,7 +313,7 @@ class RolloutPipeline(Generic[ScenarioT, ConfigT]):
                     finished[0] += 1
                 elif isinstance(item, BaseException):
                     raise item
-                else:
+                elif await self._keep(item, report):
                     ready.append(item)
                 try:
                     item = self._queue.get_nowait()
@@ -329,11 +364,18 @@ class RolloutPipeline(Generic[ScenarioT, ConfigT]):
         try:
             while max_steps is None or trained < max_steps:
                 waiting = self._now()
-                batch, dropped = await self._collect(ready, len(workers), finished)
+                report = (SamplingReport(self.groups_per_step, self.dynamic_sampling)
+                          if self.dynamic_sampling is not None else None)
+                batch, dropped = await self._collect(ready, len(workers), finished, report)
                 wait_s = self._now() - waiting
                 if dropped:
                     await attach_scoped_calls([f.group for f in dropped])
+                if report is not None:
+                    _close(report, batch, exhausted=finished[0] >= len(workers))
                 if not batch:
+                    if report is not None and report.discarded:  # their calls are claimed
+                        await self.model.log(report.discarded, split=DISCARDED_SPLIT,
+                                             step=self._policy)
                     return
                 lags = [self._policy - f.version for f in batch]
                 groups = [f.group for f in batch]
@@ -361,15 +403,24 @@ class RolloutPipeline(Generic[ScenarioT, ConfigT]):
                 if dropped:
                     await self.model.log([f.group for f in dropped], split="dropped", step=step)
                 await self.model.log(split="pipeline", metrics=pipeline, step=step)
+                sampling = await log_sampling(self.model, report, step) if report else {}
                 trained += 1
                 yield TrainedStep(step, groups, {
                     **metrics, **{f"pipeline/{k}": v for k, v in pipeline.items()},
                     "dropped_stale": float(len(dropped)),
-                    "steps_off_policy_max": float(max(lags))}, len(dropped), lags)
+                    "steps_off_policy_max": float(max(lags)), **sampling}, len(dropped), lags,
+                    len(report.discarded) if report else 0)
         finally:
             for w in workers:
                 w.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
+
+
+def _close(report: SamplingReport, batch: list[_Finished], exhausted: bool) -> None:
+    """A batch's draws are done: its groups with signal count as kept; short of
+    ``groups_per_step`` without a bound hit, the scenarios ran out."""
+    report.kept = sum(verdict(f.group, report.cfg.tolerance) == "kept" for f in batch)
+    report.finish(report.bound or ("exhausted" if exhausted else None))
 
 
 def _aiter(items: Iterable[T] | AsyncIterator[T]) -> AsyncIterator[T]:
@@ -397,7 +448,8 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
                  num_rollout_workers: int | None = None, learning_rate: float = 1e-5,
                  train_config: TrainConfig | None = None, max_steps: int | None = None,
                  max_steps_off_policy: int = 4, eval_every_n_steps: int = 20,
-                 eval_at_start: bool = True, staleness: Staleness = "admit") -> None:
+                 eval_at_start: bool = True, staleness: Staleness = "admit",
+                 dynamic_sampling: DynamicSampling | None = None) -> None:
         if max_steps is not None and max_steps < 0:
             raise ConfigError("max_steps must be >= 0")
         if eval_every_n_steps < 0:
@@ -409,7 +461,7 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
             model, rollout_fn, scenarios, config, groups_per_step=groups_per_step,
             max_steps_off_policy=max_steps_off_policy, num_rollout_workers=num_rollout_workers,
             train_config=train_config or TrainConfig(learning_rate=learning_rate),
-            staleness=staleness)
+            staleness=staleness, dynamic_sampling=dynamic_sampling)
         self.trained: list[TrainedStep] = []
 
     async def _eval(self, step: int) -> None:

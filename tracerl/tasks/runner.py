@@ -9,9 +9,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.config import TrainConfig
+from ..core.config import DynamicSampling, TrainConfig
 from ..core.trajectory import RolloutException, Trajectory, TrajectoryGroup
 from ..rollout.gather import gather_trajectory_groups
+from ..rollout.sampling import SampledGroups, groups_wanted
 from .base import Task
 
 log = logging.getLogger(__name__)
@@ -80,40 +81,64 @@ class TaskRun:
 
     evals: dict[int, dict[str, float]] = field(default_factory=dict)
     train_success: list[float] = field(default_factory=list)
+    sampling: list[dict[str, float]] = field(default_factory=list)  # per step (dynamic sampling)
     seconds: float = 0.0
 
     def success(self, step: int) -> float:
         return self.evals[step].get("metrics/success", 0.0)
 
 
+async def _step_groups(task: Task, model: Any, step: int, steps: int, *, seed: int,
+                       size: int, per_step: int, dynamic: DynamicSampling | None,
+                       show_progress: bool) -> list[TrajectoryGroup]:
+    """One step's groups: ``per_step`` fresh train items (by ``seed`` and step), ``size``
+    rollouts each; with ``dynamic`` sampling, items are drawn until ``per_step`` groups have
+    rewards that differ (within its bound)."""
+    n = per_step if dynamic is None else math.ceil(per_step * dynamic.max_draw_factor)
+    items = task.items("train", n, seed=seed * 100_003 + step)
+    return await gather_trajectory_groups(
+        (TrajectoryGroup(task.rollout(model, item, temperature=1.0) for _ in range(size))
+         for item in items),
+        pbar_desc=f"step {step}/{steps}", max_exceptions=math.inf, show_progress=show_progress,
+        dynamic_sampling=dynamic)
+
+
 async def train_task(task: Task, model: Any, *, steps: int, seed: int = 0,
                      eval_every: int = 5, eval_n: int = 24, group_size: int | None = None,
                      items_per_step: int | None = None, config: TrainConfig | None = None,
-                     show_progress: bool = False) -> TaskRun:
+                     show_progress: bool = False,
+                     dynamic_sampling: DynamicSampling | None = None) -> TaskRun:
     """GRPO on ``task``'s train split for ``steps`` steps (continuing from the model's step),
     evaluating greedily on the held-out split before training, every ``eval_every`` steps and
-    at the end. Each step draws fresh train items (by ``seed`` and step)."""
+    at the end. Each step draws fresh train items (by ``seed`` and step). With
+    ``dynamic_sampling``, groups whose rewards are all equal are set aside and more items are
+    drawn until the step has ``items_per_step`` groups with signal (its ``groups``, if set),
+    within its bound; train success counts every drawn rollout."""
     run = TaskRun()
     started = time.perf_counter()
     first = await model.get_step()
     config = config or TrainConfig(learning_rate=task.learning_rate, seed=seed)
     size = group_size or task.group_size
     per_step = items_per_step or task.items_per_step
+    if dynamic_sampling is not None:
+        per_step = groups_wanted(dynamic_sampling, per_step, "train_task")
+        dynamic_sampling = dynamic_sampling.model_copy(update={"groups": per_step})
     if first == 0:
         run.evals[0] = await evaluate(task, model, n=eval_n, seed=seed, step=0,
                                       desc="base held-out" if show_progress else None)
     for step in range(first + 1, steps + 1):
-        items = task.items("train", per_step, seed=seed * 100_003 + step)
-        groups = await gather_trajectory_groups(
-            (TrajectoryGroup(task.rollout(model, item, temperature=1.0) for _ in range(size))
-             for item in items),
-            pbar_desc=f"step {step}/{steps}", max_exceptions=math.inf,
-            show_progress=show_progress)
-        _with_usage(groups)
-        played = [t for g in groups for t in g.trajectories]
+        groups = await _step_groups(task, model, step, steps, seed=seed, size=size,
+                                    per_step=per_step, dynamic=dynamic_sampling,
+                                    show_progress=show_progress)
+        drawn = [*groups, *(groups.sampling.discarded if isinstance(groups, SampledGroups)
+                            else [])]
+        _with_usage(drawn)
+        played = [t for g in drawn for t in g.trajectories]
         success = sum(t.metrics.get("success", 0.0) for t in played) / max(len(played), 1)
         run.train_success.append(success)
-        await model.train(groups, config=config)
+        trained = await model.train(groups, config=config)
+        if isinstance(groups, SampledGroups):
+            run.sampling.append({k: v for k, v in trained.items() if k.startswith("sampling/")})
         log.info("%s step %d: train success %.3f", task.name, step, success)
         if step % eval_every == 0 or step == steps:
             run.evals[step] = await evaluate(
