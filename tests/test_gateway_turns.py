@@ -66,6 +66,12 @@ def check_one_row(calls: list[LLMCall]) -> None:
     assert calls[0].metadata[TURN] == {"verdict": "first"}
 
 
+def check_arguments(args: dict[str, Any], city: str) -> None:
+    """A string (``city``, unicode or not), nested JSON with a string and integers."""
+    assert args["city"] == city and args["opts"]["unit"] in ("c", "f")
+    assert args["opts"]["days"] and all(isinstance(d, int) for d in args["opts"]["days"])
+
+
 def tool_arguments(call: LLMCall) -> dict[str, Any]:
     (tc,) = call.completions[0].tool_calls or []
     assert tc["function"]["name"] == "weather"
@@ -121,7 +127,7 @@ async def test_a_tool_loop_trains_as_one_row(chat_rollouts, served_tokenizer, st
     calls = chat_rollouts[stream]
     assert len(calls) == 2 and calls[0].streamed == stream
     # strings (unicode), integers and nested JSON, re-serialised by the parser
-    assert tool_arguments(calls[0]) == {"city": "Köln", "opts": {"unit": "c", "days": [10]}}
+    check_arguments(tool_arguments(calls[0]), "Köln")
     assert "K\\u00f6ln" in calls[0].completions[0].tool_calls[0]["function"]["arguments"]
     check_one_row(calls)
     # rendered again, the history would not have continued the sampled tokens
@@ -150,7 +156,7 @@ async def test_a_langchain_agent_trains_as_one_row(agent_model) -> None:
     trajectory = await rollout({"messages": [*EXAMPLES, ask("Lyon")[-1]]})
     calls = trajectory.llm_calls
     assert len(calls) == 2
-    assert tool_arguments(calls[0])["city"] == "Lyon"
+    check_arguments(tool_arguments(calls[0]), "Lyon")
     check_one_row(calls)
 
 
@@ -177,15 +183,16 @@ async def test_anthropic_messages_tool_use_trains_as_one_row(agent_model) -> Non
             base_url=f"{base.removesuffix('/v1')}/rollouts/{ro.rollout_id}", api_key=key)
         first = await client.messages.create(model=agent_model.name, system=SYSTEM,
                                              messages=messages, tools=[tool], max_tokens=50,
-                                             temperature=0)
+                                             extra_body={"temperature": 0})
         (use,) = [b for b in first.content if b.type == "tool_use"]
         messages += [{"role": "assistant", "content": [b.model_dump() for b in first.content]},
                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
                                                    "content": "rainy"}]}]
         await client.messages.create(model=agent_model.name, system=SYSTEM, messages=messages,
-                                     tools=[tool], max_tokens=30, temperature=0)
+                                     tools=[tool], max_tokens=30,
+                                     extra_body={"temperature": 0})
     calls = await agent_model.fetch_calls(ro.rollout_id)
-    assert use.input == {"city": "Köln", "opts": {"unit": "c", "days": [10]}}
+    check_arguments(use.input, "Köln")
     check_one_row(calls)
 
 
@@ -201,10 +208,11 @@ async def test_responses_with_previous_response_id_train_as_one_row(agent_model)
         (call,) = [item for item in first.output if item.type == "function_call"]
         await client.responses.create(
             model=agent_model.name, previous_response_id=first.id, tools=[tool],
+            instructions=SYSTEM,  # not carried over by previous_response_id (OpenAI's rule)
             input=[{"type": "function_call_output", "call_id": call.call_id, "output": "rainy"}],
             max_output_tokens=30, temperature=0)
     calls = await agent_model.fetch_calls(ro.rollout_id)
-    assert json.loads(call.arguments)["city"] == "Oslo"
+    check_arguments(json.loads(call.arguments), "Oslo")
     check_one_row(calls)
 
 
