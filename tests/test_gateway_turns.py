@@ -10,6 +10,7 @@ not give back the sampled tokens, which is what the splice is for.
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -58,7 +59,7 @@ def check_one_row(calls: list[LLMCall]) -> None:
     last = calls[-1]
     distinct = len(last.prompt_token_ids) + len(last.completions[0].token_ids)
     assert sum(len(r) for r in rows) <= 1.1 * distinct
-    for before, after in zip(calls, calls[1:], strict=False):
+    for before, after in itertools.pairwise(calls):
         sent = before.prompt_token_ids + before.completions[0].token_ids
         assert after.prompt_token_ids[:len(sent)] == sent
         assert after.metadata[TURN] == {"verdict": "spliced",
@@ -174,8 +175,8 @@ async def test_anthropic_messages_tool_use_trains_as_one_row(agent_model) -> Non
                 {"type": "tool_use", "id": m["tool_calls"][0]["id"], "name": fn["name"],
                  "input": json.loads(fn["arguments"])}]})
         elif m["role"] == "tool":
-            messages.append({"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": m["tool_call_id"], "content": m["content"]}]})
+            messages.append({"role": "user", "content": [{
+                "type": "tool_result", "tool_use_id": m["tool_call_id"], "content": m["content"]}]})
         else:
             messages.append({"role": m["role"], "content": m["content"]})
     with tracerl.rollout_scope() as ro:

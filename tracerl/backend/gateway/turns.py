@@ -256,8 +256,10 @@ class TurnSplicer:
                 return self._continue(engine, kept, body)
             closest = max(closest, differs, key=lambda d: d[0])
         at, why = closest
-        if at == 0:
-            return Turn("new_conversation", 0, why)
+        messages = body["messages"]
+        if at == 0 and not any(_same(kept.reply, m, strip=True) is None
+                               for kept in earlier for m in messages):
+            return Turn("new_conversation", 0, why)  # nothing of an earlier turn: a subagent
         return Turn("history_edited", at, why)
 
     def _continue(self, engine: Engine, kept: _Recorded, body: dict[str, Any]) -> Turn:
