@@ -162,15 +162,15 @@ class _Renderer:
         kwargs = dict(body.get("chat_template_kwargs") or {})
         if body.get("tools"):
             kwargs["tools"] = body["tools"]
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=prompt,
-                                                  tokenize=False, **kwargs)
+        return str(self.tokenizer.apply_chat_template(messages, add_generation_prompt=prompt,
+                                                      tokenize=False, **kwargs))
 
     def continuation(self, body: dict[str, Any], k: int, end_id: int) -> list[int] | Turn:
         """The token ids after assistant message ``k``'s end token ``end_id`` up to the
         generation prompt; or the ``template`` verdict saying why there are none."""
         messages = body["messages"]
         with self.lock:
-            end = self.tokenizer.decode([end_id])
+            end = str(self.tokenizer.decode([end_id]))
             before = self._text(messages[:k], body, False)
             upto = self._text(messages[:k + 1], body, False)
             full = self._text(messages, body, True)
