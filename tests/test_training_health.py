@@ -11,7 +11,8 @@ PROBLEMS = {
                       "groups had equal rewards (no learning signal): widen the reward"),
     "agent-rewrites-history": (lambda m: m["prefix_mismatch_fraction"] == 1.0,
                                "prompt did not continue the previous call's tokens in 100% of "
-                               "turns: the agent edits history between calls"),
+                               "turns (2 where the agent edited history, first at message 0): "
+                               "the agent edits history between calls"),
     "call-outside-a-rollout": (lambda m: m["unattributed_calls"] >= 1,
                                "without a rollout id and were not trained on"),
     "completions-cut-at-max-tokens": (lambda m: m["length_clipped_fraction"] >= 0.3,
@@ -75,8 +76,11 @@ def test_same_weights_give_no_engine_kl_warning(unhealthy_step):
      "all 4 groups had the same reward 1, all of them (no learning signal): the task is solved"),
     ({"engine_kl": 0.2}, "disagree (KL 0.2 nats/token)"),
     ({"prefix_mismatch_fraction": 0.4}, "in 40% of turns: the agent edits history"),
+    ({"prefix_mismatch_fraction": 0.5, "unspliced_turns": 3, "new_conversations": 1},
+     "in 50% of turns (3 the gateway did not splice; 1 that started a conversation of their "
+     "own (subagents)): see each call's metadata['turn']['why']"),
 ], ids=["all-groups-equal", "under-threshold", "task-solved", "engine-kl",
-        "forty-percent-rewrites"])
+        "forty-percent-rewrites", "not-spliced-and-subagents"])
 def test_warning_thresholds(metrics, expected):
     found = [str(w) for w in step_warnings(metrics)]
     assert (expected is None and not found) or any(expected in w for w in found), found

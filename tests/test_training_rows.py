@@ -157,3 +157,30 @@ def test_micro_batches_pack_rows_longest_first_within_the_token_budget():
 def test_a_row_longer_than_the_budget_gets_a_micro_batch_of_its_own():
     batches = micro_batches(rows_of_lengths(100, 10, 5), max_tokens=64)
     assert [[len(r) for r in b] for b in batches] == [[100], [10, 5]]
+
+
+def test_interleaved_conversations_each_continue_their_own_row():
+    """Two subagents of one rollout take turns: each turn joins its own conversation's row."""
+    a1, b1 = call([1, 2], [3], t=1), call([7, 8], [9], t=2)
+    a2, b2 = call([1, 2, 3, 4], [5], t=3), call([7, 8, 9, 4], [6], t=4)
+    stats = RowStats()
+    rows = rows_from_calls([a1, b1, a2, b2], stats)
+    assert [r.input_ids for r in rows] == [[1, 2, 3, 4, 5], [7, 8, 9, 4, 6]]
+    assert (stats.merged_calls, stats.prefix_mismatches) == (2, 1)
+
+
+def test_a_mismatch_is_counted_by_the_reason_its_record_gives():
+    calls = [call([1, 2], [3], t=0)]
+    for t, turn in enumerate([{"verdict": "history_edited", "message": 4},
+                              {"verdict": "history_edited", "message": 2},
+                              {"verdict": "new_conversation", "message": 0},
+                              {"verdict": "template", "message": 3}, None], start=1):
+        c = call([50 + t], [3], t=t)
+        if turn is not None:
+            c.metadata["turn"] = turn
+        calls.append(c)
+    stats = RowStats()
+    rows_from_calls(calls, stats)
+    assert (stats.prefix_mismatches, stats.history_edits, stats.new_conversations,
+            stats.unspliced_turns, stats.history_edit_message) == (5, 2, 1, 2, 2)
+    assert RowStats().as_metrics().keys() == stats.as_metrics().keys() - {"history_edit_message"}

@@ -18,8 +18,12 @@ from .config import EngineConfig, LoraConfig
 from .errors import EngineError, EngineRequestError, EngineTimeoutError, EngineUnavailableError
 from .pluggable import Pluggable
 
-__all__ = ["CallRoute", "Engine", "EngineError", "EngineRequestError", "EngineSpec",
-           "EngineTimeoutError", "EngineUnavailableError", "current_route"]
+__all__ = ["PROMPT_IDS", "CallRoute", "Engine", "EngineError", "EngineRequestError",
+           "EngineSpec", "EngineTimeoutError", "EngineUnavailableError", "current_route"]
+
+# A chat request may carry its prompt's token ids under this key (the gateway's exact turns):
+# the engine then generates from them instead of rendering the messages.
+PROMPT_IDS = "tracerl_prompt_token_ids"
 
 
 @dataclass
@@ -99,3 +103,8 @@ class Engine(Pluggable):
 
     async def wake_up(self) -> None:
         """Undo :meth:`sleep`."""
+
+    def prompt_ids_refusal(self, body: dict[str, Any]) -> str | None:
+        """Why this engine cannot answer the chat request ``body`` from given prompt token ids
+        (``body[PROMPT_IDS]``); None when it can."""
+        return f"the {self.name} engine renders its own chat prompts"

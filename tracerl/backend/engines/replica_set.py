@@ -232,6 +232,10 @@ class ReplicaSet(Engine):
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         return await self._call(lambda engine: engine.chat(body))
 
+    def prompt_ids_refusal(self, body: dict[str, Any]) -> str | None:
+        return self.replicas[0].engine.prompt_ids_refusal(body) if self.replicas else \
+            "the replica set has no replica"
+
     async def completions(self, body: dict[str, Any]) -> dict[str, Any]:
         return await self._call(lambda engine: engine.completions(body))
 

@@ -62,3 +62,4 @@ def content_before_tool_calls(pieces: list[str], content: str) -> list[str]:
 
 
 PARSERS = {"hermes": parse_hermes}
+TOOL_CALL_OPENINGS = {"hermes": "<tool_call>"}  # where each parser's markup starts

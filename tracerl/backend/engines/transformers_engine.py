@@ -21,7 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...core.engine import Engine, EngineRequestError, EngineSpec, EngineUnavailableError
+from ...core.engine import (
+    PROMPT_IDS,
+    Engine,
+    EngineRequestError,
+    EngineSpec,
+    EngineUnavailableError,
+)
 from ...core.fingerprint import BASE, digest_if_readable, note_served
 from ...core.trajectory import is_greedy
 from ...events.hookspecs import hookimpl
@@ -149,12 +155,17 @@ class TransformersEngine(Engine):
                                  param="model", code="model_not_found")
 
     def render_chat(self, body: dict[str, Any]) -> list[int]:
+        if body.get(PROMPT_IDS) is not None:  # the gateway's exact turn: given, not rendered
+            return list(body[PROMPT_IDS])
         try:
             return render_prompt(self.tokenizer, body["messages"], body.get("tools"))
         except Exception as e:
             raise EngineRequestError(
                 f"could not apply the chat template: {e}", param="messages"
             ) from e
+
+    def prompt_ids_refusal(self, body: dict[str, Any]) -> str | None:
+        return None  # given prompt ids take the rendered prompt's place
 
     async def _submit(
         self, prompt_ids: list[int], body: dict[str, Any]

@@ -25,12 +25,19 @@ from typing import Any
 import aiohttp
 
 from ...core import settings
-from ...core.engine import Engine, EngineRequestError, EngineSpec, EngineUnavailableError
+from ...core.engine import (
+    PROMPT_IDS,
+    Engine,
+    EngineRequestError,
+    EngineSpec,
+    EngineUnavailableError,
+)
 from ...core.errors import EngineError
 from ...core.fingerprint import BASE, digest_if_readable, note_served
 from ...core.net import free_port, start_child, stop_process_group
 from ...events.hookspecs import hookimpl
 from ..chat_template import chat_template_path
+from . import token_prompts
 from .json_codec import loads
 
 
@@ -375,9 +382,19 @@ class VLLMEngine(Engine):
         after = self.served_digest(model)
         note_served(before if before == after else None)
 
+    def prompt_ids_refusal(self, body: dict[str, Any]) -> str | None:
+        """Given prompt ids go through ``/v1/completions`` (the chat endpoint takes none)."""
+        return token_prompts.refusal(body, self.spec.config.tool_call_parser)
+
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         self._check_ready()
         before = self.served_digest(body.get("model", ""))
+        if body.get(PROMPT_IDS) is not None:  # the gateway's exact turn: given, not rendered
+            r = await self._post("/v1/completions", token_prompts.completion_request(
+                body, self.spec.config.max_model_len))
+            self._raise_for(r)
+            self._note(body.get("model", ""), before)
+            return token_prompts.chat_reply(body, r.json(), self.spec.config.tool_call_parser)
         r = await self._post("/v1/chat/completions", body)
         self._raise_for(r)
         self._note(body.get("model", ""), before)
@@ -396,13 +413,20 @@ class VLLMEngine(Engine):
         if self.client is None:
             raise EngineUnavailableError("the vLLM server is not running")
         before = self.served_digest(body.get("model", ""))
+        path, request, chunks = "/v1/chat/completions", body, None
+        if body.get(PROMPT_IDS) is not None:  # the gateway's exact turn: given, not rendered
+            path, chunks = "/v1/completions", token_prompts.ChatChunks(
+                body, self.spec.config.tool_call_parser)
+            request = token_prompts.completion_request(body, self.spec.config.max_model_len)
         with transport_errors():
-            async with self.client.post("/v1/chat/completions", json=body) as r:
+            async with self.client.post(path, json=request) as r:
                 if r.status >= 400:
                     self._raise_for(EngineReply(r.status, await r.read()))
+                if chunks is not None:
+                    yield chunks.first()
                 async for chunk in sse_events(r.content):
                     self._note(body.get("model", ""), before)  # before the caller sees it end
-                    yield chunk
+                    yield chunk if chunks is None else chunks.chunk(chunk)
 
 
 @hookimpl

@@ -44,6 +44,7 @@ from .served import ModelTable, ServedModel
 from .stream_pump import stream_answer
 from .supervisor import EngineSupervisor
 from .swap_lock import SwapLock
+from .turns import TurnSplicer
 
 # the gateway's names before it was split, for code that imported them from here
 __all__ = ["Attribution", "Gateway", "KeyRequired", "ModelTable", "ServedModel", "SwapLock",
@@ -74,8 +75,10 @@ class Gateway:
         self.models = ModelTable() if models is None else models
         self.rollouts = ExternalRollouts(self.models)  # the rollout API for outside services
         self.live = live  # online mode: production calls and their feedback
+        self.turns = TurnSplicer()  # a rollout's next prompt continues its previous tokens
         self.recorder = Recorder(CallStore(divert=self.rollouts.divert_late,
-                                           after_add=None if live is None else live.recorded))
+                                           after_add=None if live is None else live.recorded),
+                                 self.turns)
         self.protocols: dict[str, Protocol] = {p.name: p for p in load_protocols()}
         self.supervisor = EngineSupervisor(restart_grace_s)
         self._streams: set[asyncio.Task[None]] = set()  # stream pumps in flight
@@ -149,6 +152,8 @@ class Gateway:
             if streamed and not protocol.streams:
                 raise EngineRequestError(f"streaming is not supported for {protocol.name}",
                                          param="stream")
+            turn = (await self.turns.splice(served.store.root, served.engine, who.rollout_id,
+                                            body) if endpoint == "chat.completions" else None)
             admission, engine_model, step = await served.admit(engine_model, step,
                                                                body["model"], who.rollout_id)
         except (RequestError, EngineError) as e:  # 4xx, or 504: a swap outlasted the deadline
@@ -156,7 +161,7 @@ class Gateway:
         route = CallRoute(who.rollout_id)  # a replica set keeps the rollout on one server
         current_route.set(route)
         rec = self.recorder.begin(served.store, exchange, endpoint, engine_model, who, step,
-                                  route)
+                                  route, turn)
         if streamed:  # the pump holds the admission from here, until the stream ends
             return await stream_answer(served, rec, admission, self.supervisor, self._streams)
 

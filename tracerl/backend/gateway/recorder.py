@@ -31,6 +31,7 @@ from ..protocols.replies import (
     sampled_logprobs,
     strip_for_caller,
 )
+from .turns import TURN, Turn, TurnSplicer, given_prompt
 
 if TYPE_CHECKING:
     from .request_validation import Attribution
@@ -184,6 +185,8 @@ class CallRecording:
     step: int | None
     route: CallRoute
     engine_body: dict[str, Any]
+    turns: TurnSplicer | None = None  # told of the call, for its rollout's next turn
+    turn: Turn | None = None  # the call's splice verdict (:mod:`.turns`)
     started: float = field(default_factory=time.perf_counter)
 
     async def finish(self, response: dict[str, Any] | None, *, streamed: bool = False,
@@ -211,6 +214,10 @@ class CallRecording:
         if self.route.replica is not None:
             call.metadata["replica"] = self.route.replica
         call.metadata.update(self.exchange.metadata)
+        if self.turn is not None:
+            call.metadata[TURN] = self.turn.metadata()
+        if self.turns is not None:
+            self.turns.remember(self.store.root, call)
         # Serialising and fsyncing a record takes milliseconds: done in a worker thread, so that
         # hundreds of concurrent calls do not queue behind each other's disk writes. The write
         # and the plugin hook happen even if the caller is cancelled meanwhile (a client that
@@ -229,14 +236,17 @@ class CallRecording:
 class Recorder:
     """The gateway's recorder: where calls are kept, and one :class:`CallRecording` per call."""
 
-    def __init__(self, calls: CallStore) -> None:
+    def __init__(self, calls: CallStore, turns: TurnSplicer | None = None) -> None:
         self.calls = calls
+        self.turns = turns  # told of each recorded call (exact turns), None: no splicing
 
     def begin(self, store: ModelStore, exchange: Exchange, endpoint: Endpoint,
               engine_model: str, who: Attribution, step: int | None,
-              route: CallRoute) -> CallRecording:
+              route: CallRoute, turn: Turn | None = None) -> CallRecording:
         """Start recording a call that ``engine_model`` answers: its engine request is
-        ``rec.engine_body``; latency counts from now."""
+        ``rec.engine_body`` (with ``turn``'s spliced prompt ids, if any); latency counts from
+        now."""
         engine_body = inject_training_fields(endpoint, exchange.chat_body, engine_model)
+        given_prompt(engine_body, turn)
         return CallRecording(self.calls, store, endpoint, exchange, who, step, route,
-                             engine_body)
+                             engine_body, self.turns, turn)

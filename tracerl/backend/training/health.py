@@ -7,10 +7,15 @@ Every step logs these beside loss and reward (``history.jsonl``):
 - ``late_calls``: calls for a rollout-API rollout that arrived after it was finished;
 - ``orphan_calls``: calls recorded under a rollout id that no trained or logged trajectory
   claimed;
-- ``prefix_mismatch_fraction``: turns whose prompt did not continue the previous call's tokens;
+- ``prefix_mismatch_fraction``: turns whose prompt did not continue the previous call's tokens,
+  by reason (the gateway's verdict on each record, ``LLMCall.metadata["turn"]``):
+  ``history_edits`` (the agent changed an earlier message; the first at
+  ``history_edit_message``), ``new_conversations`` (a subagent's conversation of its own),
+  ``unspliced_turns`` (the gateway did not splice the turn: the template, a cut completion, an
+  engine that renders its own prompts, or records from before exact turns);
 - ``rendered_fraction``: rows trained on re-rendered text instead of the engine's tokens;
 - ``template_mismatch_fraction``: recorded prompts the trainer's chat template renders
-  differently from the engine's tokens;
+  differently from the engine's tokens (spliced turns are not rendered, so not compared);
 - ``engine_kl``: KL(engine || trainer) over the sampled tokens (k3 estimate, from the trainer);
 - ``length_clipped_fraction``: completions cut at ``max_tokens``;
 - ``fingerprint_mismatches``: calls the engine served with other weights than the policy
@@ -82,7 +87,9 @@ def template_mismatches(groups: Iterable[TrajectoryGroup],
                 messages = call.request.get("messages")
                 if checked >= sample:
                     break
-                if call.endpoint != "chat.completions" or not messages or not call.prompt_token_ids:
+                if call.endpoint != "chat.completions" or not messages or \
+                        not call.prompt_token_ids or \
+                        (call.metadata.get("turn") or {}).get("verdict") == "spliced":
                     continue
                 checked += 1
                 try:
@@ -228,11 +235,10 @@ def step_warnings(m: dict[str, Any], thresholds: dict[str, float] | None = None
             "groups)",
             "send the rollout id your trajectory gets (tracerl's clients, or the rollout_id "
             "from POST /v1/rollouts), and finish every opened rollout"))
+    mismatch = float(m.get("prefix_mismatch_fraction", 0) or 0)
+    if mismatch >= t["prefix_mismatch_fraction"]:
+        out.append(_mismatch_warning(m, mismatch))
     checks = (
-        ("prefix_mismatch_fraction",
-         "prompt did not continue the previous call's tokens in {pct} of turns",
-         "the agent edits history between calls (trims, summarises or re-renders messages); "
-         "keep earlier messages verbatim, or accept one training row per such call"),
         ("rendered_fraction", "{pct} of trained rows were re-rendered text, not engine tokens",
          "the calls were not recorded by the gateway: use model.openai_client() (or the "
          "gateway's base_url) inside each rollout so token ids and logprobs are kept"),
@@ -263,6 +269,36 @@ def step_warnings(m: dict[str, Any], thresholds: dict[str, float] | None = None
             "the engine serves other weights, another adapter, dtype or chat template than the "
             "trainer; run `tracerl doctor --live`"))
     return out
+
+
+EDITS_FIX = ("the agent edits history between calls (trims, summarises or rewrites messages): "
+             "keep earlier messages verbatim, or accept one training row per such call")
+
+
+def _mismatch_warning(m: dict[str, Any], fraction: float) -> HealthWarning:
+    """Why turns did not continue their rollout's tokens, by the reasons their records give."""
+    edits, new = float(m.get("history_edits", 0) or 0), float(m.get("new_conversations", 0) or 0)
+    unspliced = float(m.get("unspliced_turns", 0) or 0)
+    reasons, fixes = [], []
+    if edits:
+        at = m.get("history_edit_message")
+        reasons.append(f"{edits:.0f} where the agent edited history"
+                       + (f", first at message {at:.0f}" if at is not None else ""))
+        fixes.append(EDITS_FIX)
+    if unspliced:
+        reasons.append(f"{unspliced:.0f} the gateway did not splice")
+        fixes.append("see each call's metadata['turn']['why'] (a chat template that renders "
+                     "history differently once later messages follow, completions cut at "
+                     "max_tokens, or an engine that renders its own prompts)")
+    if new:
+        reasons.append(f"{new:.0f} that started a conversation of their own (subagents)")
+        fixes.append("each conversation of a rollout trains as its own row")
+    seen = f" ({'; '.join(reasons)})" if reasons else ""
+    return HealthWarning("prefix_mismatch_fraction",
+                         f"prompt did not continue the previous call's tokens in "
+                         f"{_pct(fraction)} of turns{seen}",
+                         # metrics from before the reasons were counted: the old advice
+                         "; ".join(fixes) or EDITS_FIX)
 
 
 def log_warnings(step: int, metrics: dict[str, Any]) -> list[HealthWarning]:

@@ -1,8 +1,10 @@
 """Training rows from recorded token ids: token-in/token-out, never re-rendered when ids exist.
 
-Consecutive calls of a rollout merge into one row when the earlier prompt + completion is an
-exact token prefix of the later prompt (the usual multi-turn case); otherwise each call is a
-row of its own. Only sampled completion tokens carry loss. Trajectories without token records
+A call of a rollout joins an earlier call's row when that row (prompt + completion) is an exact
+token prefix of its prompt (the usual multi-turn case: the gateway splices each turn onto the
+previous tokens, :mod:`tracerl.backend.gateway.turns`); otherwise it is a row of its own, and
+the reason its record gives (``metadata["turn"]``) is counted. Only sampled completion tokens
+carry loss. Trajectories without token records
 fall back to chat-template rendering, counted in the ``rendered_rows`` metric.
 """
 
@@ -61,13 +63,36 @@ class RowStats:
     # multi-turn rollouts: a call continuing the previous one's tokens joins its row
     merged_calls: int = 0
     prefix_mismatches: int = 0
+    # why a turn did not continue its rollout's tokens (the gateway's verdict on its record):
+    history_edits: int = 0       # the agent changed an earlier message
+    new_conversations: int = 0   # a conversation of its own in the rollout (a subagent)
+    unspliced_turns: int = 0     # not spliced (template, cut completion, engine, no verdict)
+    # the first message index the agent edited (None: no edit)
+    history_edit_message: int | None = None
     # fallbacks and losses: rendered text, trajectories without rows, rows cut to fit
     rendered_rows: int = 0
     empty_trajectories: int = 0
     truncated_rows: int = 0
 
     def as_metrics(self) -> dict[str, float]:
-        return {name: float(value) for name, value in dataclasses.asdict(self).items()}
+        return {name: float(value) for name, value in dataclasses.asdict(self).items()
+                if value is not None}
+
+    def mismatch(self, call: LLMCall) -> None:
+        """Count a call that continued no row, by the reason its record gives."""
+        self.prefix_mismatches += 1
+        turn = call.metadata.get("turn") or {}
+        verdict = turn.get("verdict")
+        if verdict == "history_edited":
+            self.history_edits += 1
+            at = turn.get("message")
+            if isinstance(at, int) and (self.history_edit_message is None
+                                        or at < self.history_edit_message):
+                self.history_edit_message = at
+        elif verdict == "new_conversation":
+            self.new_conversations += 1
+        else:
+            self.unspliced_turns += 1
 
 
 def _temperature(call: LLMCall) -> float:
@@ -99,28 +124,32 @@ def _extend_row(row: Row, call: LLMCall) -> None:
     row.temperatures += [t] * (len(extra) + len(comp.token_ids))
 
 
+def _continued(rows: list[Row], prompt: list[int]) -> Row | None:
+    """The latest row that ``prompt`` continues token for token (interleaved subagents and
+    branches continue an earlier row than the last)."""
+    for row in reversed(rows):
+        if len(row.input_ids) <= len(prompt) and prompt[:len(row.input_ids)] == row.input_ids:
+            return row
+    return None
+
+
 def rows_from_calls(calls: list[LLMCall], stats: RowStats) -> list[Row]:
     """Rows of one trajectory from its recorded calls (merging exact-prefix continuations)."""
     rows: list[Row] = []
-    current: Row | None = None
     for call in sorted(calls, key=lambda c: c.created_at):
         if call.error or not call.completions or not call.prompt_token_ids:
             continue
         if len(call.completions) > 1:  # n > 1: every sample is its own row
             rows.extend(_start_row(call, i) for i in range(len(call.completions)))
-            current = None
             continue
-        if (
-            current is not None
-            and call.prompt_token_ids[: len(current.input_ids)] == current.input_ids
-        ):
-            _extend_row(current, call)
+        row = _continued(rows, call.prompt_token_ids)
+        if row is not None:
+            _extend_row(row, call)
             stats.merged_calls += 1
             continue
-        if current is not None:
-            stats.prefix_mismatches += 1
-        current = _start_row(call, 0)
-        rows.append(current)
+        if rows:
+            stats.mismatch(call)
+        rows.append(_start_row(call, 0))
     return rows
 
 
