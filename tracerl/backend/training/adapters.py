@@ -142,9 +142,12 @@ class AdapterPolicy(Policy):
         return t
 
     def logits(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
-        names = [f"a{i}" for i in t["adapters"].tolist()]
-        with self.shared.routed(names):
+        with self.shared.routed([f"a{i}" for i in t["adapters"].tolist()]):
             return super().logits(t)
+
+    def hidden(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        with self.shared.routed([f"a{i}" for i in t["adapters"].tolist()]):
+            return super().hidden(t)
 
     def save(self, out_dir: Path) -> None:
         """The checkpoint a one-adapter Trainer writes: the adapter at the folder's top."""

@@ -24,7 +24,8 @@ import torch
 from ...core.config import LoraConfig, TrainConfig
 from ...core.storage import OPTIMIZER_FILE
 from ..chat_template import render_prompt
-from .loss import token_logprobs
+from .head import head_logprobs
+from .loss import token_entropy, token_logprobs
 from .rows import NAN, Row, has_unknown_logprobs
 from .update import (
     accumulate_gradients,
@@ -37,6 +38,9 @@ from .update import (
 )
 
 STATE_FILE = "trainer_state.json"
+# config fields of models that scale or soft-cap the logits after the head (Gemma 2,
+# Cohere, Granite): :meth:`Policy.logprobs` takes the materialised path for them
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 class Rendering:
@@ -67,6 +71,9 @@ class Policy(Rendering):
     # each rank's loss is multiplied by this before backward: data parallel wrappers average
     # gradients over ranks, and the step's gradient is their sum (1 in one process)
     gradient_scale = 1.0
+    # the head's logprobs in chunks (``head.py``); False: through the full logits, as before
+    # (``benchmarks/step_memory.py`` compares the two)
+    fused_head = True
 
     def __init__(self, model: Any, tokenizer: Any, lora: LoraConfig, *, device: torch.device,
                  dtype: torch.dtype, adapter_name: str = "default",
@@ -194,6 +201,54 @@ class Policy(Rendering):
             )  # no KV cache in training
         return out.logits[:, :-1]
 
+    def hidden(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The model body's last hidden states [B, width, H] (the head's input), under the
+        same autocast as :meth:`logits`."""
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.device.type == "cuda"):
+            out = self.model.get_base_model().get_decoder()(
+                input_ids=t["input_ids"], attention_mask=t["attention_mask"], use_cache=False)
+        return out.last_hidden_state
+
+    def output_head(self) -> torch.nn.Linear | None:
+        """The frozen linear head :meth:`logprobs` projects in chunks, or None where the full
+        logits are the way (:attr:`fused_head` off, Unsloth's model, a distributed wrapper whose
+        forward must run, a trained head, logits scaled or soft-capped after the head)."""
+        if not self.fused_head or self.backend != "peft" or self.forward_model is not self.model:
+            return None
+        base = self.model.get_base_model()
+        head = base.get_output_embeddings()
+        if type(head) is not torch.nn.Linear or head.weight.requires_grad:
+            return None  # e.g. a LoRA on lm_head, or a head in modules_to_save
+        if any(getattr(base.config, k, None) is not None for k in LOGIT_TRANSFORMS):
+            return None
+        return head
+
+    def logprobs(self, t: dict[str, torch.Tensor], entropy: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probabilities of ``t['targets']`` [B, L] at temperature ``t['temps']`` and, with
+        ``entropy``, each position's entropy (no gradient); only ``t['mask']``'s positions are
+        computed (the others are 0, or on the full-logits path whatever the logits give).
+
+        The head runs on the trained positions only, in chunks (``head.py``): no
+        ``[tokens, vocab]`` logits; without an :meth:`output_head`, through :meth:`logits`."""
+        mask, temps = t["mask"], t["temps"]
+        head = self.output_head()
+        if head is None:
+            logits = self.logits(t)
+            logp = token_logprobs(logits, t["targets"], temps)
+            if not entropy:
+                return logp, None
+            with torch.no_grad():
+                trained = token_entropy(logits.detach()[mask], temps[mask])
+            return logp, torch.zeros_like(logp).masked_scatter(mask, trained)
+        width, length = t["input_ids"].shape[1], mask.shape[1]
+        h = self.hidden(t)[:, width - length - 1:width - 1][mask]  # those predicting targets
+        lp, ent = head_logprobs(h, head.weight, head.bias, t["targets"][mask], temps[mask],
+                                entropy)
+        zeros = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+        return (zeros.masked_scatter(mask, lp),
+                None if ent is None else zeros.masked_scatter(mask, ent))
+
     @torch.no_grad()
     def fill_old_logprobs(self, batches: list[list[Row]]) -> None:
         """Rows without engine logprobs get the current policy's (an on-policy ratio of 1)."""
@@ -201,7 +256,7 @@ class Policy(Rendering):
             if not any(has_unknown_logprobs(r) for r in batch):
                 continue
             t = self.tensors(batch)
-            logp = token_logprobs(self.logits(t), t["targets"], t["temps"]).cpu()
+            logp = self.logprobs(t)[0].cpu()
             start = t["input_ids"].shape[1] - logp.shape[1]
             for i, row in enumerate(batch):
                 for j in range(start, len(row)):

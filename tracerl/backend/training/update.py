@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from ...core.config import TrainConfig
-from .loss import grpo_per_token_loss, reduce_loss, token_entropy, token_logprobs
+from .loss import grpo_per_token_loss, reduce_loss
 from .rows import Row
 
 # the sums a step's metrics are made of (per trained token, but the loss)
@@ -59,6 +59,12 @@ class UpdatedPolicy(Protocol):
     def logits(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
         """The training forward: logits predicting ``t['targets']``, each row through the
         adapter it trains."""
+        ...
+
+    def logprobs(self, t: dict[str, torch.Tensor], entropy: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The training forward's logprobs of ``t['targets']`` (and, with ``entropy``, each
+        position's entropy), 0 off ``t['mask']``: what the loss and metrics read."""
         ...
 
     def fill_old_logprobs(self, batches: list[list[Row]]) -> None:
@@ -166,14 +172,13 @@ def _micro_batch(lead: UpdatedPolicy, batch: list[Row], config: TrainConfig,
                  normalizers: dict[str, float], sums: dict[str, dict[str, float]] | None) -> None:
     """Forward, loss and backward of one micro-batch, each adapter's rows normalised by its
     own ``normalizers[adapter]``; adds each adapter's metrics to ``sums`` (None: no
-    metrics). Its tensors (logits, logprobs, the graph) die when it returns."""
+    metrics). Its tensors (logprobs, the graph) die when it returns."""
     t = lead.tensors(batch)
-    logits = lead.logits(t)
-    logp = token_logprobs(logits, t["targets"], t["temps"])
+    logp, entropy = lead.logprobs(t, entropy=sums is not None)
     ref = None
     if config.beta > 0:  # the reference policy: the base without the adapters
         with torch.no_grad(), lead.model.disable_adapter():
-            ref = token_logprobs(lead.logits(t), t["targets"], t["temps"])
+            ref = lead.logprobs(t)[0]
     per_token, parts = grpo_per_token_loss(
         logp, t["old"], t["adv"], epsilon=config.epsilon, epsilon_high=config.epsilon_high,
         beta=config.beta, ref_logp=ref, kl_bias_correction=config.kl_bias_correction,
@@ -184,7 +189,8 @@ def _micro_batch(lead: UpdatedPolicy, batch: list[Row], config: TrainConfig,
                            normalizers[name] / lead.gradient_scale)
         loss = part if loss is None else loss + part
         if sums is not None:
-            _add_sums(sums[name], float(part.detach()) / lead.gradient_scale, logits, logp,
+            assert entropy is not None
+            _add_sums(sums[name], float(part.detach()) / lead.gradient_scale, entropy, logp,
                       parts, mask, t)
     assert loss is not None  # a micro-batch has rows
     loss.backward()
@@ -192,7 +198,7 @@ def _micro_batch(lead: UpdatedPolicy, batch: list[Row], config: TrainConfig,
         _keep_trainer_logprobs(batch, logp.detach(), int(t["input_ids"].shape[1]))
 
 
-def _add_sums(sums: dict[str, float], loss: float, logits: torch.Tensor,
+def _add_sums(sums: dict[str, float], loss: float, entropy: torch.Tensor,
               logp: torch.Tensor, parts: dict[str, torch.Tensor], m: torch.Tensor,
               t: dict[str, torch.Tensor]) -> None:
     """Add the metric sums of the tokens of mask ``m`` (one adapter's rows)."""
@@ -208,8 +214,7 @@ def _add_sums(sums: dict[str, float], loss: float, logits: torch.Tensor,
     sums["engine_kl"] += float((torch.expm1(d) - d).clamp_min(0).sum())
     if "kl" in parts:
         sums["kl"] += float(parts["kl"][m].sum())
-    with torch.no_grad():
-        sums["entropy"] += float(token_entropy(logits.detach()[m], t["temps"][m]).sum())
+    sums["entropy"] += float(entropy[m].sum())
 
 
 # --- the pieces: micro-batches, totals, metrics, memory --------------------------------------
