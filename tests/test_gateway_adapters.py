@@ -1,5 +1,5 @@
 """Serving many adapters of one base (issue 32) on the transformers engine: calls of three
-models, each with its own adapter, generate in one batch and each is recorded token-exactly
+models, each with its own adapter, decode in one step and each is recorded token-exactly
 under its model; one model's adapter swap never holds another model's calls."""
 
 from __future__ import annotations
@@ -36,33 +36,32 @@ async def three(tf_backend, smollm2_path, tmp_path_factory):
         adapter = await asyncio.to_thread(make_random_lora, smollm2_path, root / str(i), i + 1)
         await backend.call_on_gateway(backend.gateway.models[m.spec.key].swap_adapter(1, adapter))
     engine = backend.gateway.models[models[0].spec.key].engine
-    alone = [await _greedy(m) for m in models]  # one at a time: batches of one
-    batches: list[list[str | None]] = []
-    generate = engine._generate
+    alone = [await _greedy(m) for m in models]  # one at a time: steps of one adapter
+    batcher = engine._batcher_impl
+    steps: list[set[str | None]] = []
+    decode = batcher._decode
 
-    def counted(batch):  # the real generate, its batches' adapters noted
-        batches.append([job.adapter for job in batch])
-        return generate(batch)
+    def counted(model, events):  # the real decode step, its rows' adapters noted
+        steps.append({row.job.adapter for row in batcher._rows})
+        return decode(model, events)
 
-    engine._generate = counted
-    engine._lock.acquire()  # the engine is busy: the three calls queue up behind a first one
+    batcher._decode = counted
+    engine._lock.acquire()  # the engine is busy: the three calls queue up meanwhile
     try:
-        first = asyncio.ensure_future(_greedy(models[0]))
-        await until(lambda: len(batches) == 1, "the first call's generate", 120)
         calls = asyncio.ensure_future(asyncio.gather(*(_greedy(m) for m in models)))
-        await until(lambda: engine._queue.qsize() == 3, "three calls queued", 120)
+        await until(lambda: batcher.queue.qsize() + len(batcher._waiting) == 3,
+                    "three calls queued", 120)
     finally:
         engine._lock.release()
     try:
-        await first
         together = await calls
     finally:
-        del engine._generate
-    return SimpleNamespace(models=models, alone=alone, together=together, batches=batches)
+        del batcher._decode
+    return SimpleNamespace(models=models, alone=alone, together=together, steps=steps)
 
 
-def test_calls_of_three_adapters_generate_in_one_batch(three):
-    assert len(three.batches) == 2 and len(set(three.batches[1])) == 3
+def test_calls_of_three_adapters_decode_in_one_step(three):
+    assert any(len(adapters) == 3 for adapters in three.steps)
 
 
 def test_each_adapter_answers_in_the_batch_as_alone_and_records_under_its_model(three):

@@ -1,12 +1,13 @@
 """The transformers engine: CPU-friendly fallback for users without vLLM.
 
-Concurrent requests with the same sampling settings are batched (left-padded) into one
-``generate`` call on a single worker thread, whichever model's adapter each one uses (peft
-routes each row through its own adapter). Logprobs are those of the processed distribution
-(after temperature and top-p), like vLLM's ``processed_logprobs`` mode, so the recorded values
-are the sampling policy's. Each request gets its answer as soon as its own sequences end, and a
-request past its deadline stops its sequences. Tokenization runs off the event loop. Streaming is
-emitted after generation, token by token; a tool-call turn streams its plain content and then
+Requests are served by iteration-level (continuous) batching (:mod:`.continuous_batcher`): a new
+request joins the decoding rows at the next step, whichever model's adapter it uses, and a
+sequence leaves as soon as it ends, so no request waits for another's longest answer. Logprobs
+are those of the processed distribution (after temperature and top-p), like vLLM's
+``processed_logprobs`` mode, so the recorded values are the sampling policy's. A request past its
+deadline, or whose streaming client left, stops its sequences at the next step. Tokenization runs
+off the event loop. A streamed call gets each token as it is sampled; a tool-call turn (tools
+given and a tool-call parser configured) streams once generated, its plain content and then
 tool-call deltas, never the markup.
 """
 
@@ -16,10 +17,10 @@ import asyncio
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ...core.engine import (
     PROMPT_IDS,
@@ -29,30 +30,10 @@ from ...core.engine import (
     EngineUnavailableError,
 )
 from ...core.fingerprint import BASE, digest_if_readable, note_served
-from ...core.trajectory import is_greedy
 from ...events.hookspecs import hookimpl
 from ..chat_template import apply_chat_template_override, render_prompt
+from .generation_job import GenerationJob, ModelAccess, Results, TokenSink
 from .tool_parsers import PARSERS, content_before_tool_calls
-
-BATCH_WINDOW_S = 0.005
-
-
-@dataclass
-class _Job:
-    prompt_ids: list[int]
-    n: int
-    max_tokens: int
-    temperature: float
-    top_p: float
-    adapter: str | None
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
-    digest: str | None = None  # of the weights that generated it (set under the model lock)
-
-    @property
-    def key(self) -> tuple:
-        """Jobs of one key generate in one batch (whichever adapters they use)."""
-        return (self.temperature, self.top_p)
 
 
 def _prompt_too_long(max_len: int, prompt: int, max_tokens: int) -> EngineRequestError:
@@ -67,16 +48,20 @@ def _prompt_too_long(max_len: int, prompt: int, max_tokens: int) -> EngineReques
 class TransformersEngine(Engine):
     name = "transformers"
 
-    def __init__(self, spec: EngineSpec) -> None:
+    def __init__(self, spec: EngineSpec, *,
+                 _batching: Literal["continuous", "static"] = "continuous") -> None:
         super().__init__(spec)
         self.model: Any = None
         self.tokenizer: Any = None
         self._adapters: dict[str, Path] = {}
         self._peft_names: dict[str, str] = {}
         self._digests: dict[str, str] = {}  # peft name -> digest of the weights loaded under it
-        self._queue: asyncio.Queue[_Job] | None = None
+        self._batching = _batching  # "static": the former batcher, a benchmark's baseline only
+        self._batcher_impl: Any = None  # a ContinuousBatcher (or StaticBatcher)
         self._batcher: asyncio.Task | None = None
         self._lock = threading.Lock()
+        # seconds from each answered request's submission to its first sampled token
+        self.first_token_waits: deque[float] = deque(maxlen=10_000)
 
     @classmethod
     def available(cls) -> bool:
@@ -88,8 +73,8 @@ class TransformersEngine(Engine):
 
     async def start(self) -> None:
         await asyncio.to_thread(self._load)
-        self._queue = asyncio.Queue()
-        self._batcher = asyncio.create_task(self._batch_loop())
+        self._batcher_impl = self._make_batcher()
+        self._batcher = asyncio.create_task(self._batcher_impl.run())
         for name, path in list(self._adapters.items()):
             await self.load_adapter(name, path)
 
@@ -107,6 +92,21 @@ class TransformersEngine(Engine):
         # (the ignore: functools.wraps on PreTrainedModel.to makes mypy read the device as self)
         model.to("cuda" if cuda else "cpu").eval()  # type: ignore[arg-type]  # see above
         self.model = model
+
+    def _make_batcher(self) -> Any:
+        tok = self.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        access = ModelAccess(
+            lock=self._lock, model=lambda: self.model, eos=self._eos_ids(), pad=pad,
+            digest=lambda a: BASE if a is None else self._digests.get(a))
+        config = self.spec.config
+        if self._batching == "static":
+            from .static_batcher import StaticBatcher
+
+            return StaticBatcher(access, config.max_num_seqs)
+        from .continuous_batcher import ContinuousBatcher
+
+        return ContinuousBatcher(access, config.max_num_seqs, config.max_model_len)
 
     async def stop(self) -> None:
         if self._batcher is not None:
@@ -167,10 +167,10 @@ class TransformersEngine(Engine):
     def prompt_ids_refusal(self, body: dict[str, Any]) -> str | None:
         return None  # given prompt ids take the rendered prompt's place
 
-    async def _submit(
-        self, prompt_ids: list[int], body: dict[str, Any]
-    ) -> list[tuple[list[int], list[float], str]]:
-        if self._queue is None or not await self.healthy():
+    def _job(self, prompt_ids: list[int], body: dict[str, Any],
+             on_token: TokenSink | None = None) -> GenerationJob:
+        """A request's generation job, its settings checked."""
+        if self.model is None or self._batcher is None or self._batcher.done():
             raise EngineUnavailableError("the transformers engine is not running")
         if (body.get("response_format") or {}).get("type") in ("json_schema", "json_object") or \
                 body.get("guided_json") or body.get("structured_outputs"):
@@ -188,87 +188,28 @@ class TransformersEngine(Engine):
         if len(prompt_ids) + max_tokens > max_len:
             raise _prompt_too_long(max_len, len(prompt_ids), max_tokens)
         n = body.get("n") or 1
+        if not isinstance(n, int) or n < 1:
+            raise EngineRequestError("n must be a positive integer", param="n")
         temperature = body.get("temperature")
         temperature = 1.0 if temperature is None else float(temperature)
         top_p = float(body.get("top_p") or 1.0)
         loop = asyncio.get_running_loop()
-        job = _Job(prompt_ids, n, max_tokens, temperature, top_p, self._adapter_for(body["model"]),
-                   loop.create_future(), loop)
-        await self._queue.put(job)
-        results = await job.future
+        job = GenerationJob(prompt_ids, n, max_tokens, temperature, top_p,
+                            self._adapter_for(body["model"]), loop.create_future(), loop,
+                            on_token=on_token)
+        job.future.add_done_callback(lambda _: self._note_wait(job))
+        return job
+
+    def _note_wait(self, job: GenerationJob) -> None:
+        if job.first_token is not None:
+            self.first_token_waits.append(job.first_token - job.submitted)
+
+    async def _submit(self, prompt_ids: list[int], body: dict[str, Any]) -> Results:
+        job = self._job(prompt_ids, body)
+        self._batcher_impl.submit(job)
+        results = await job.future  # cancelled with its caller: its sequences stop
         note_served(job.digest)
         return results
-
-    async def _batch_loop(self) -> None:
-        assert self._queue is not None
-        while True:
-            first = await self._queue.get()
-            await asyncio.sleep(BATCH_WINDOW_S)
-            batch, rest = [first], list[_Job]()
-            while not self._queue.empty():
-                job = self._queue.get_nowait()
-                same = (
-                    job.key == first.key
-                    and sum(j.n for j in batch) + job.n <= self.spec.config.max_num_seqs
-                )
-                (batch if same else rest).append(job)
-            for job in rest:
-                self._queue.put_nowait(job)
-            batch = [job for job in batch if not job.future.done()]  # past their deadline
-            if not batch:
-                continue
-            try:
-                await asyncio.to_thread(self._generate, batch)
-            except Exception as e:
-                for job in batch:
-                    if not job.future.done():
-                        job.future.set_exception(e)
-
-    def _generate(self, batch: list[_Job]) -> None:
-        import torch
-        from transformers import StoppingCriteriaList
-
-        tok = self.tokenizer
-        rows = [(job, job.prompt_ids) for job in batch for _ in range(job.n)]
-        width = max(len(ids) for _, ids in rows)
-        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        device = next(self.model.parameters()).device
-        input_ids = torch.tensor(
-            [[pad] * (width - len(ids)) + ids for _, ids in rows], device=device
-        )
-        attention = torch.tensor(
-            [[0] * (width - len(ids)) + [1] * len(ids) for _, ids in rows], device=device
-        )
-        first = batch[0]
-        sample = not is_greedy(first.temperature)
-        # neutralise generation_config defaults the trainer cannot reproduce (penalties, top-k)
-        gen_kwargs: dict[str, Any] = {"do_sample": sample, "repetition_penalty": 1.0,
-                                      "no_repeat_ngram_size": 0}
-        if sample:
-            gen_kwargs.update(temperature=first.temperature, top_p=first.top_p, top_k=0)
-        eos = self._eos_ids()
-        handback = _SequenceHandback([job for job, _ in rows], eos)
-        adapters = [job.adapter for job, _ in rows]
-        with self._lock, torch.inference_mode():
-            model = self.model
-            ctx: Any = _null()
-            for job in batch:  # the digest of what serves each call, read under the lock
-                job.digest = BASE if job.adapter is None else self._digests.get(job.adapter)
-            if len(set(adapters)) > 1:  # several models' adapters: peft routes each row
-                gen_kwargs["adapter_names"] = [a or "__base__" for a in adapters]
-            elif first.adapter is not None:
-                model.set_adapter(first.adapter)
-            elif hasattr(model, "peft_config"):
-                ctx = model.disable_adapter()
-            with ctx:
-                model.generate(
-                    input_ids=input_ids, attention_mask=attention,
-                    max_new_tokens=max(job.max_tokens for job in batch),
-                    pad_token_id=pad, eos_token_id=list(eos), output_scores=True,
-                    return_dict_in_generate=True,
-                    stopping_criteria=StoppingCriteriaList([handback]), **gen_kwargs,
-                )
-        handback.finish_all()
 
     def _eos_ids(self) -> set[int]:
         eos = self.model.generation_config.eos_token_id
@@ -318,6 +259,48 @@ class TransformersEngine(Engine):
         }
 
     async def chat_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        tool_turn = bool(body.get("tools")) and self.spec.config.tool_call_parser in PARSERS
+        stream = (self._stream_after(body) if tool_turn or self._batching == "static"
+                  else self._stream_live(body))
+        async for chunk in stream:
+            yield chunk
+
+    async def _stream_live(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Each token as it is sampled; the caller leaving (the generator closed) stops its
+        sequences at the next step."""
+        prompt_ids = await asyncio.to_thread(self.render_chat, body)  # CPU work off the loop
+        events: asyncio.Queue[tuple[int, int, float, str | None] | None] = asyncio.Queue()
+        job = self._job(prompt_ids, body, on_token=lambda *e: events.put_nowait(e))
+        job.future.add_done_callback(lambda _: events.put_nowait(None))
+        self._batcher_impl.submit(job)
+        base = {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion.chunk",
+                "created": int(time.time()), "model": body["model"]}
+        eos, completion_tokens = self._eos_ids(), 0
+        try:
+            while (event := await events.get()) is not None:
+                index, token_id, lp, finish = event
+                if completion_tokens == 0:
+                    yield {**base, "prompt_token_ids": prompt_ids, "choices": [
+                        {"index": i, "delta": {"role": "assistant", "content": ""},
+                         "logprobs": None, "finish_reason": None} for i in range(job.n)]}
+                completion_tokens += 1
+                (entry,) = self._logprob_content([token_id], [lp])
+                yield {**base, "choices": [{
+                    "index": index, "delta": {"content": "" if token_id in eos else entry["token"]},
+                    "logprobs": {"content": [entry]}, "finish_reason": finish,
+                    "token_ids": [token_id]}]}
+            await job.future  # raises what failed the generation
+            note_served(job.digest)
+        finally:
+            job.future.cancel()  # a no-op once answered
+        if (body.get("stream_options") or {}).get("include_usage"):
+            yield {**base, "choices": [], "usage": {
+                "prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
+                "total_tokens": len(prompt_ids) + completion_tokens}}
+
+    async def _stream_after(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Generated first, then streamed token by token (a tool-call turn: its plain content,
+        then tool-call deltas)."""
         full = await self.chat(body)
         base = {"id": full["id"], "object": "chat.completion.chunk", "created": full["created"],
                 "model": full["model"]}
@@ -406,72 +389,6 @@ class TransformersEngine(Engine):
                 "total_tokens": len(prompt_ids) + completion_tokens,
             },
         }
-
-
-class _SequenceHandback:
-    """A stopping criterion that records each row's tokens and logprobs as they are sampled
-    (of the processed distribution, like vLLM's ``processed_logprobs``), stops a row at its own
-    ``max_tokens`` or end of sequence, and hands a request its answer as soon as all its rows have
-    ended, instead of when the batch's longest row ends. A request whose future is done (past its
-    deadline, cancelled) stops its rows at once; the batch stops when every row has."""
-
-    def __init__(self, jobs: list[_Job], eos: set[int]) -> None:
-        self.jobs = jobs
-        self.eos = eos
-        self.ids: list[list[int]] = [[] for _ in jobs]
-        self.lps: list[list[float]] = [[] for _ in jobs]
-        self.finish: list[str | None] = [None for _ in jobs]
-        self._handed: set[int] = set()
-
-    def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
-        import torch
-
-        step_scores = scores[-1] if isinstance(scores, tuple) else scores
-        tokens = input_ids[:, -1:]
-        lps = torch.log_softmax(step_scores.float(), dim=-1).gather(-1, tokens)[:, 0].tolist()
-        tokens = tokens[:, 0].tolist()
-        for row, job in enumerate(self.jobs):
-            if self.finish[row] is not None:
-                continue
-            if job.future.done():
-                self.finish[row] = "cancelled"
-                continue
-            self.ids[row].append(int(tokens[row]))
-            self.lps[row].append(float(lps[row]))
-            if tokens[row] in self.eos:
-                self.finish[row] = "stop"
-            elif len(self.ids[row]) >= job.max_tokens:
-                self.finish[row] = "length"
-        self._hand_back_ended()
-        return torch.tensor([f is not None for f in self.finish], device=input_ids.device)
-
-    def _hand_back_ended(self) -> None:
-        for job in {id(j): j for j in self.jobs}.values():
-            if id(job) in self._handed:
-                continue
-            rows = [r for r, j in enumerate(self.jobs) if j is job]
-            if all(self.finish[r] is not None for r in rows):
-                self._handed.add(id(job))
-                results = [(self.ids[r], self.lps[r], self.finish[r] or "length") for r in rows]
-                job.loop.call_soon_threadsafe(_resolve, job.future, results)
-
-    def finish_all(self) -> None:
-        """After ``generate``: rows it ended without a criterion verdict end by length."""
-        self.finish = [f or "length" for f in self.finish]
-        self._hand_back_ended()
-
-
-def _resolve(future: asyncio.Future, results: list[tuple[list[int], list[float], str]]) -> None:
-    if not future.done():
-        future.set_result(results)
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 @hookimpl
