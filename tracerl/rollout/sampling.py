@@ -10,8 +10,9 @@ recipe (``algorithm.filter_groups``) bounds the draws by ``max_num_gen_batches``
   each time a finished group is set aside (no round barrier: a replacement starts as soon as a
   group is judged), until ``asked`` groups have signal or the bound is hit: at most
   ``max_draw_factor * asked`` groups drawn, no replacement started after ``max_seconds``, or
-  the source ran out. Then the step trains on the groups with signal it has (on the set-aside ones when it
-  has none: the step trains nothing, but happens and is counted, as without dynamic sampling);
+  the source ran out. Then the step trains on the groups with signal it has (on the set-aside
+  ones when it has none: the step trains nothing, but happens and is counted, as without
+  dynamic sampling);
 - :class:`SamplingReport` counts a step's draws: ``groups_drawn``; ``groups_kept`` (with
   signal, trained); ``groups_discarded`` (set aside, not trained); of all groups without signal,
   ``groups_equal_rewards`` and ``groups_too_few_rollouts``; ``rollouts_drawn``,

@@ -45,9 +45,10 @@ async def attach(route: ServedModel, *, missing_ok: bool = False) -> ReleaseStat
         await asyncio.to_thread(releases.begin, "adopt", step, None)
         await asyncio.to_thread(releases.commit, "adopt", step)
         state = await asyncio.to_thread(releases.state)
-    assert state.incumbent is not None
+    incumbent = state.incumbent
+    assert incumbent is not None
     try:
-        path = checkpoint(route, state.incumbent)
+        path = checkpoint(route, incumbent)
     except ConfigError as e:
         route.unavailable = (f"{e}: the checkpoint of its release incumbent is gone; "
                              f"`tracerl promote {route.key} N` serves checkpoint N")
@@ -61,12 +62,12 @@ async def attach(route: ServedModel, *, missing_ok: bool = False) -> ReleaseStat
         log.warning("%s: candidate %d rejected: its checkpoint is gone", route.key,
                     state.candidate)
         state = await asyncio.to_thread(releases.state)
-    steps = {state.incumbent, *([state.candidate] if state.candidate is not None else [])}
+    steps = {incumbent, *([state.candidate] if state.candidate is not None else [])}
     # loaded first, routed after: a call routed to NAME@N finds N loaded
-    await route.load_version(state.incumbent, path, keep=steps)
+    await route.load_version(incumbent, path, keep=steps)
     if state.candidate is not None:
         await route.load_version(state.candidate, checkpoint(route, state.candidate), keep=steps)
-    route.release = ReleaseRouting(state.incumbent, state.candidate,
+    route.release = ReleaseRouting(incumbent, state.candidate,
                                    state.share if state.stage == "canary" else 0.0)
     route.unavailable = None
     return state
