@@ -8,6 +8,7 @@
 #                                    adapter-smollm2-135m:64,256 async-qwen2.5-1.5b]
 # env: WAVES (default 3), PROFILE=1 (py-spy: the gateway process / vLLM's engine core),
 #      VLLM_ARGS (extra benchmark flags, e.g. "--vllm-arg=--max-loras=1"),
+#      ASYNC_STEPS (default 3), ASYNC_REPEATS (default 1; 2: sync, async, async, sync),
 #      REPLICAS=K (rollout jobs: the gateway over K servers on the GPU vs one of them directly),
 #      GATEWAY_VARIANTS="url uvloop httptools groupfsync" (rollout jobs: more gateways in the
 #      same waves, rollout_throughput.py's docstring)
@@ -65,11 +66,20 @@ async_check() {  # async-SHAPE: the async pipeline (bound 2) vs the sync loop, s
   # vLLM serving while the trainer trains on the same GPU; rollouts of 64/256/1024 tokens.
   # ASYNC_STEPS (default 3): 4 did not fit one call beside two ~200 s vLLM starts (session 12);
   # each side's result is in the log as soon as it ends
+  # ASYNC_REPEATS=2 runs sync, async, async, sync (the order alternates each repeat), so a side
+  # that pays the first use of the server or the trainer is seen; GPU use and the busiest
+  # processes are sampled every 5 s beside it ($OUT/$1-smi.log, $1-top.log)
   local shape=${1#async-}
+  (while sleep 5; do echo "$(date +%T) $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader)"; done > "$OUT/$1-smi.log") &
+  local smi=$!
+  (while sleep 5; do date +%T; top -b -n 1 -o %CPU 2>&1 | sed -n 7,14p; done > "$OUT/$1-top.log") &
+  local top=$!
   timeout ${ROLLOUT_TIMEOUT_S:-560} python3 benchmarks/async_vs_sync.py --engine vllm \
     --random-init "$shape" --tokenizer .vllm2/tok --gpu-memory-utilization 0.5 --steps ${ASYNC_STEPS:-3} \
-    --groups 4 --group-size 8 --bound 2 --lengths 64 256 1024 --env-s 0 1 --repeats 1 \
+    --groups 4 --group-size 8 --bound 2 --lengths 64 256 1024 --env-s 0 1 --repeats ${ASYNC_REPEATS:-1} \
     > "$OUT/$1.json" 2> "$OUT/$1.log" || { echo "FAILED $1"; tail -40 "$OUT/$1.log"; }
+  kill $smi $top 2>/dev/null || true
+  grep -E '^\{"side"' "$OUT/$1.log" || true
   cat "$OUT/$1.json"
 }
 [ "${1%-r*}" = loop-7b ] || python3 benchmarks/call_record_write.py | tee "$OUT/call_record_write.json"  # the disk's fsync cost
