@@ -67,6 +67,9 @@ class RankTrainer(Trainer):
         self.strategy = strategy
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.gradient_scale = float(self.world_size)
+        # FSDP2 gathers the root's parameters (embeddings, norm, head) in the root module's
+        # forward, which the chunked head's path (the decoder alone) would skip
+        self.fused_head = strategy != "fsdp2"
         super().__init__(model_path, lora, adapter_path=adapter_path, device=device,
                          chat_template=chat_template)
 
