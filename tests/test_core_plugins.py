@@ -294,7 +294,9 @@ def test_a_third_party_protocol_and_engine_are_served_and_recorded(plugin_site, 
     assert got["chat"] == "yx"
     (plain_call,), (streamed_call,), no_calls, (chat_call,) = got["calls"].values()
     assert no_calls == []  # refused before the engine: nothing recorded
-    assert plain_call["metadata"] == {"protocol": "plain", "id": answer["id"]}
+    # the gateway's turn verdict (``gateway/turns.py``) rides on every protocol's record
+    assert plain_call["metadata"] == {"protocol": "plain", "id": answer["id"],
+                                      "turn": {"verdict": "first"}}
     completion = plain_call["completions"][0]
     assert completion["token_ids"] == list(b"olleh") and completion["logprobs"] == [0.0] * 5
     assert plain_call["prompt_token_ids"] == list(b"user:hello\n")
