@@ -2,6 +2,7 @@
 and the tokenized and tensorized views they return (``import tracerl as art`` then
 ``await art.tokenize(groups)`` as in ART).
 
+- ``views.py``: the shared base and ART's ``reward``/``metrics``/``metadata`` properties.
 - ``tokenized.py``: ``TokenFlag`` and the tokenized views (ART's fields and properties).
 - ``build.py``: a trajectory's histories, built as its training rows are (recorded ids first).
 - ``tensors.py``: the tensorized views (loads torch; imported only when tensorizing).

@@ -5,19 +5,21 @@ Importing this module loads torch; ``tracerl.trajectories`` loads it only when t
 
 from __future__ import annotations
 
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import pydantic
 import torch
 
 from ..core.trajectory import History, TrajectoryGroup
-from .tokenized import (
-    TokenizedHistory,
-    TokenizedMultiHistoryTrajectory,
-    TokenizedTrajectory,
-    TokenizedTrajectoryGroup,
-    _OfTrajectory,
-)
+from .views import OfTrajectory
+
+if TYPE_CHECKING:
+    from .tokenized import (
+        TokenizedHistory,
+        TokenizedMultiHistoryTrajectory,
+        TokenizedTrajectory,
+        TokenizedTrajectoryGroup,
+    )
 
 Device = torch.device | str | None
 
@@ -42,11 +44,11 @@ class TensorizedHistory(pydantic.BaseModel):
         return self
 
 
-class TensorizedTrajectory(TensorizedHistory, _OfTrajectory):
+class TensorizedTrajectory(TensorizedHistory, OfTrajectory):
     """A trajectory of one history, tensorized."""
 
 
-class TensorizedMultiHistoryTrajectory(_OfTrajectory):
+class TensorizedMultiHistoryTrajectory(OfTrajectory):
     """A trajectory of several histories, each tensorized."""
 
     model_config = pydantic.ConfigDict(arbitrary_types_allowed=True)

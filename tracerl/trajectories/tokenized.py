@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import pydantic
 
-from ..core.trajectory import History, Trajectory, TrajectoryGroup
+from ..core.trajectory import History, TrajectoryGroup
+from .views import OfTrajectory, Tokenized
 
 if TYPE_CHECKING:
     import torch
@@ -40,42 +41,7 @@ class TokenFlag(IntFlag):
     PROCESSED_LOGPROBS = 1 << 6
 
 
-class _Tokenized(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(ser_json_inf_nan="strings")
-
-
-class _OfTrajectory(_Tokenized):
-    """ART's ``reward``/``metrics``/``metadata`` properties, read and written through to the
-    source trajectory."""
-
-    trajectory: Trajectory
-
-    @property
-    def reward(self) -> float:
-        return self.trajectory.reward
-
-    @reward.setter
-    def reward(self, value: float) -> None:
-        self.trajectory.reward = value
-
-    @property
-    def metrics(self) -> dict[str, float]:
-        return self.trajectory.metrics
-
-    @metrics.setter
-    def metrics(self, value: dict[str, float]) -> None:
-        self.trajectory.metrics = value
-
-    @property
-    def metadata(self) -> dict[str, Any]:
-        return self.trajectory.metadata
-
-    @metadata.setter
-    def metadata(self, value: dict[str, Any]) -> None:
-        self.trajectory.metadata = value
-
-
-class TokenizedHistory(_Tokenized):
+class TokenizedHistory(Tokenized):
     """One token sequence: ``tokens``, ``logprobs`` and ``flags`` of equal length."""
 
     history: History
@@ -97,7 +63,7 @@ class TokenizedHistory(_Tokenized):
         return tensorize_history(self, device=device)
 
 
-class TokenizedTrajectory(TokenizedHistory, _OfTrajectory):
+class TokenizedTrajectory(TokenizedHistory, OfTrajectory):
     """A trajectory of one history, tokenized."""
 
     def tensorize(self, *, device: torch.device | str | None = None) -> TensorizedTrajectory:
@@ -106,7 +72,7 @@ class TokenizedTrajectory(TokenizedHistory, _OfTrajectory):
         return tensorize_trajectory(self, device=device)
 
 
-class TokenizedMultiHistoryTrajectory(_OfTrajectory):
+class TokenizedMultiHistoryTrajectory(OfTrajectory):
     """A trajectory of several histories (subagents, edited histories: several rows)."""
 
     histories: list[TokenizedHistory]
@@ -121,7 +87,7 @@ class TokenizedMultiHistoryTrajectory(_OfTrajectory):
 TokenizedT = TypeVar("TokenizedT", TokenizedTrajectory, TokenizedMultiHistoryTrajectory)
 
 
-class TokenizedTrajectoryGroup(_Tokenized, Generic[TokenizedT]):
+class TokenizedTrajectoryGroup(Tokenized, Generic[TokenizedT]):
     """A group's trajectories tokenized, in order; the group (its exceptions too) kept."""
 
     trajectory_group: TrajectoryGroup
