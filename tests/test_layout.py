@@ -90,7 +90,7 @@ def graph(runtime_only: bool = False) -> dict[str, set[str]]:
 
 # packages at the top (ART's import paths; the task catalog, whose tasks use the public API as
 # users' code does: ``import tracerl as art``), like the modules directly in tracerl/
-TOP_PACKAGES = {"utils", "local", "tasks"}
+TOP_PACKAGES = {"utils", "local", "tasks", "trajectories", "mcp"}
 
 
 def stage(module: str) -> str | None:

@@ -54,8 +54,18 @@ from .rollout.pipeline import PipelineTrainer, RolloutPipeline, TrainedStep
 # isort: split
 # --- OpenPipe ART's names and import paths (everything ART-only: tracerl.core.art_compat) ------
 from . import dev, utils  # art.dev, art.utils (tracerl.local, .rewards, .langgraph load lazily)
+from .core.art_pipeline import PipelineAutotuneConfig, PipelineRuntimeConfig
+from .core.art_unported import (  # ART 0.5.23's Megatron and serverless: raise when used
+    MegatronRuntimeConfig,
+    MegatronTopologyConfig,
+    ServerlessBackend,
+    ServerlessTrainResult,
+    get_megatron_runtime_config,
+    init_megatron_runtime_config,
+)
 from .core.backend import LocalTrainResult, TrainResult
 from .core.config import TrainSFTConfig
+from .core.errors import EngineUnavailableError as LocalServingUnavailableError
 from .core.trajectory import (
     History,
     Messages,
@@ -78,12 +88,28 @@ from .utils.retry import retry
 
 if TYPE_CHECKING:
     from .backend.local import LocalBackend
+    from .metrics import (
+        PIPELINE_RL_DASHBOARD_DEFAULT_METRICS,
+        PIPELINE_RL_METRIC_DEFINITIONS,
+        PIPELINE_RL_SCORE_METRICS,
+        MetricDefinition,
+    )
     from .remote.client import RemoteBackend
+    from .tokenizer import get_tokenizer
+    from .trajectories import tensorize, tokenize
+
+# ART 0.5.23's names that load on first use (transformers, the training rows): name -> module
+_LAZY = {"get_tokenizer": "tokenizer", "tokenize": "trajectories", "tensorize": "trajectories",
+         "MetricDefinition": "metrics", "PIPELINE_RL_METRIC_DEFINITIONS": "metrics",
+         "PIPELINE_RL_DASHBOARD_DEFAULT_METRICS": "metrics", "PIPELINE_RL_SCORE_METRICS": "metrics"}
 
 __version__ = "0.1.0"
 
 __all__ = [
     "HOOKSPEC_VERSION",
+    "PIPELINE_RL_DASHBOARD_DEFAULT_METRICS",
+    "PIPELINE_RL_METRIC_DEFINITIONS",
+    "PIPELINE_RL_SCORE_METRICS",
     "AuthenticationError",
     "Backend",
     "BackendUnavailableError",
@@ -100,20 +126,28 @@ __all__ = [
     "LLMCall",
     "LoRAConfig",
     "LocalBackend",
+    "LocalServingUnavailableError",
     "LocalTrainResult",
     "LoraConfig",
+    "MegatronRuntimeConfig",
+    "MegatronTopologyConfig",
     "Messages",
     "MessagesAndChoices",
+    "MetricDefinition",
     "Model",
     "ModelConfig",
     "ModelSpec",
     "NotRegisteredError",
+    "PipelineAutotuneConfig",
+    "PipelineRuntimeConfig",
     "PipelineTrainer",
     "PluginError",
     "RemoteBackend",
     "RolloutException",
     "RolloutPipeline",
     "RolloutTimeoutError",
+    "ServerlessBackend",
+    "ServerlessTrainResult",
     "Span",
     "TooManyExceptionsError",
     "Tools",
@@ -137,11 +171,16 @@ __all__ = [
     "gather_external_groups",
     "gather_trajectories",
     "gather_trajectory_groups",
+    "get_megatron_runtime_config",
+    "get_tokenizer",
     "hookimpl",
+    "init_megatron_runtime_config",
     "no_capture",
     "retry",
     "rollout_headers",
     "rollout_scope",
+    "tensorize",
+    "tokenize",
     "trajectory",
     "trajectory_group",
     "trajectory_group_batches",
@@ -160,4 +199,8 @@ def __getattr__(name: str) -> Any:
         from .remote.client import RemoteBackend
 
         return RemoteBackend
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'tracerl' has no attribute {name!r}")

@@ -34,4 +34,8 @@ Contracts:
   :mod:`tracerl.events`' modules (plugin hooks, the plugin manager, where hooks fire), kept for
   code written before; core itself fires no hook.
 - ``art_compat.py``: OpenPipe ART compatibility: every ART-only behaviour, listed.
+- ``art_pipeline.py``: ART 0.5.23's ``PipelineRuntimeConfig`` / ``PipelineAutotuneConfig``,
+  mapped onto ``PipelineTrainer``'s knobs (refusing, by field, what has none).
+- ``art_unported.py``: ART's Megatron and serverless names: they import, and raise naming the
+  alternative when used.
 """

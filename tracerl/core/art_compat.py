@@ -11,6 +11,11 @@ Import paths (thin modules at the top of the package):
   (``init_chat_model``, ``wrap_rollout``); ``tracerl/__init__.py`` exports the ART aliases in
   their own block (``TrainResult``, ``TrainSFTConfig``, ``Messages``, ``LoRAConfig``, the
   capture scopes, ``retry``, ``trajectory_group_batches``).
+- ART 0.5.23's: ``tracerl.tokenizer`` (``get_tokenizer``), ``tracerl.trajectories``
+  (``tokenize``/``tensorize`` from the recorded ids), ``tracerl.metrics`` (``MetricDefinition``
+  and the pipeline sets), ``tracerl.mcp`` (``art.mcp``), ``core/art_pipeline.py`` (the pipeline
+  configs on ``PipelineTrainer``), ``core/art_unported.py`` (Megatron, serverless: refused
+  naming the alternative); ``LocalServingUnavailableError`` is ``EngineUnavailableError``.
 
 ART 0.5's API (beside ``model.train``):
 - ``await backend.train(model, groups, **kwargs) -> TrainResult`` (``core/backend.py``), its

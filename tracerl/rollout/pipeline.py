@@ -57,6 +57,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, Literal, TypeVar, cast
 
+from ..core.art_pipeline import (
+    PipelineAutotuneConfig,
+    PipelineRuntimeConfig,
+    pipeline_options_from_art,
+)
 from ..core.config import DynamicSampling, TrainConfig
 from ..core.errors import ConfigError, NotRegisteredError
 from ..core.trajectory import Trajectory, TrajectoryGroup, attach_scoped_calls
@@ -416,6 +421,21 @@ class RolloutPipeline(Generic[ScenarioT, ConfigT]):
             await asyncio.gather(*workers, return_exceptions=True)
 
 
+def _art_pipeline(pipeline: PipelineRuntimeConfig | None, autotune: PipelineAutotuneConfig | None,
+                  groups_per_step: int, num_rollout_workers: int | None) -> tuple[int, int | None]:
+    """``groups_per_step`` and ``num_rollout_workers`` from ART's settings; given both ways
+    (other than tracerl's defaults), they must agree."""
+    options = pipeline_options_from_art(pipeline, autotune)
+    given = {"groups_per_step": (groups_per_step, 4),
+             "num_rollout_workers": (num_rollout_workers, None)}
+    for name, (value, default) in given.items():
+        if name in options and value != default and value != options[name]:
+            raise ConfigError(f"{name}={value} disagrees with pipeline=PipelineRuntimeConfig(...) "
+                              f"({options[name]}); pass one of them")
+    return (options.get("groups_per_step", groups_per_step),
+            options.get("num_rollout_workers", num_rollout_workers))
+
+
 def _close(report: SamplingReport, batch: list[_Finished], exhausted: bool) -> None:
     """A batch's draws are done: its groups with signal count as kept; short of
     ``groups_per_step`` without a bound hit, the scenarios ran out."""
@@ -439,7 +459,9 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
 
     ``rollout_fn(model, scenario, config)`` returns one TrajectoryGroup; ``eval_fn(model, step,
     config)`` returns trajectories or groups, logged as the ``val`` split every
-    ``eval_every_n_steps`` steps (and before the first if ``eval_at_start``)."""
+    ``eval_every_n_steps`` steps (and before the first if ``eval_at_start``). ART 0.5.23's
+    ``pipeline=PipelineRuntimeConfig(...)`` and ``autotune=`` map onto ``groups_per_step`` and
+    ``num_rollout_workers`` (:mod:`tracerl.core.art_pipeline`)."""
 
     def __init__(self, model: TrainableModel, backend: Backend,
                  rollout_fn: RolloutFn[ScenarioT, ConfigT],
@@ -449,7 +471,12 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
                  train_config: TrainConfig | None = None, max_steps: int | None = None,
                  max_steps_off_policy: int = 4, eval_every_n_steps: int = 20,
                  eval_at_start: bool = True, staleness: Staleness = "admit",
-                 dynamic_sampling: DynamicSampling | None = None) -> None:
+                 dynamic_sampling: DynamicSampling | None = None,
+                 pipeline: PipelineRuntimeConfig | None = None,
+                 autotune: PipelineAutotuneConfig | None = None) -> None:
+        if pipeline is not None or autotune is not None:  # ART 0.5.23's settings
+            groups_per_step, num_rollout_workers = _art_pipeline(
+                pipeline, autotune, groups_per_step, num_rollout_workers)
         if max_steps is not None and max_steps < 0:
             raise ConfigError("max_steps must be >= 0")
         if eval_every_n_steps < 0:
