@@ -10,13 +10,13 @@ the model from the in-context examples of :mod:`tests.test_gateway_turns`.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
 from pydantic import BaseModel
 
 import tracerl
+from tests.conftest import render_ids
 from tests.test_gateway_turns import (
     EXAMPLES,
     SYSTEM,
@@ -25,6 +25,7 @@ from tests.test_gateway_turns import (
     check_one_row,
     tool_arguments,
 )
+from tracerl.backend.chat_template import apply_chat_template_override
 from tracerl.core.trajectory import LLMCall
 
 CITIES = ("Köln", "Zürich")
@@ -37,15 +38,30 @@ class Opts(BaseModel):
     days: list[int]
 
 
-def _check(calls: list[LLMCall]) -> None:
+@pytest.fixture(scope="module")
+def served_tokenizer(tokenizer):
+    served = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    apply_chat_template_override(served, "chatml-tools")
+    return served
+
+
+def _check(calls: list[LLMCall], served_tokenizer: Any) -> None:
+    """Four calls (tool call, answer, tool call, answer), the arguments as asked, one row; and
+    rendered again, the history would not have continued the sampled tokens (the parser
+    re-serialises the arguments), so the splice is what made it one row."""
     assert len(calls) == 4
     assert [bool(c.completions[0].tool_calls) for c in calls] == [True, False, True, False]
     for call, city in zip(calls[::2], CITIES, strict=True):
         check_arguments(tool_arguments(call), city)
     check_one_row(calls)
+    for call in calls[1:]:
+        assert render_ids(served_tokenizer, call.request["messages"],
+                          call.request.get("tools")) != call.prompt_token_ids
 
 
-async def test_an_agents_sdk_runner_trains_as_one_row(agent_model) -> None:
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_agents_sdk_runner_trains_as_one_row(agent_model, served_tokenizer,
+                                                      stream) -> None:
     pytest.importorskip("agents")
     from agents import Agent, ModelSettings, RunConfig, Runner, function_tool
 
@@ -64,12 +80,21 @@ async def test_an_agents_sdk_runner_trains_as_one_row(agent_model) -> None:
     with tracerl.rollout_scope() as ro:
         for city in CITIES:  # a second question in the same conversation, as chat UIs do
             items = [*items, {"role": "user", "content": f"What is the weather in {city}?"}]
-            result = await Runner.run(agent, items, run_config=config, max_turns=4)
-            items = result.to_input_list()
-    _check(await agent_model.fetch_calls(ro.rollout_id))
+            if stream:
+                streamed = Runner.run_streamed(agent, items, run_config=config, max_turns=4)
+                async for _ in streamed.stream_events():
+                    pass
+                items = streamed.to_input_list()
+            else:
+                result = await Runner.run(agent, items, run_config=config, max_turns=4)
+                items = result.to_input_list()
+    calls = await agent_model.fetch_calls(ro.rollout_id)
+    assert all(c.streamed == stream for c in calls)
+    _check(calls, served_tokenizer)
 
 
-async def test_a_litellm_tool_loop_trains_as_one_row(agent_model) -> None:
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_litellm_tool_loop_trains_as_one_row(agent_model, served_tokenizer, stream) -> None:
     pytest.importorskip("litellm")
     import litellm
 
@@ -82,12 +107,16 @@ async def test_a_litellm_tool_loop_trains_as_one_row(agent_model) -> None:
             for _ in range(2):  # the tool call, then the answer
                 reply = await litellm.acompletion(
                     messages=messages, tools=[WEATHER], max_tokens=50, temperature=0,
-                    **completion_kwargs(agent_model))
+                    stream=stream, **completion_kwargs(agent_model))
+                if stream:  # the chunks put together as LiteLLM's docs do
+                    chunks = [chunk async for chunk in reply]
+                    reply = litellm.stream_chunk_builder(chunks, messages=messages)
                 message = reply.choices[0].message
                 messages.append(message)  # LiteLLM's Message object, as its docs do
                 if not message.tool_calls:
                     break
                 for tc in message.tool_calls:
-                    json.loads(tc.function.arguments)
                     messages.append({"role": "tool", "tool_call_id": tc.id, "content": "rainy"})
-    _check(await agent_model.fetch_calls(ro.rollout_id))
+    calls = await agent_model.fetch_calls(ro.rollout_id)
+    assert all(c.streamed == stream for c in calls)
+    _check(calls, served_tokenizer)
