@@ -83,7 +83,7 @@ def test_same_weights_give_no_engine_kl_warning(unhealthy_step):
      "entropy collapse: the sampled tokens' entropy fell to 0.01 nats/token while 3 of 4 "
      "groups had equal rewards: the policy collapsed onto one answer: keep entropy up with "
      "clip-higher"),
-    ({"groups": 4, "skipped_groups": 1, "sampled_entropy": 0.01}, None),
+    ({"groups": 4, "skipped_groups": 0, "sampled_entropy": 0.01}, None),
     ({"groups": 4, "identical_groups": 2, "skipped_groups": 1, "sampled_entropy": 0.8},
      "entropy collapse: 2 of 4 groups sampled the same completion in every rollout"),
     ({"groups": 4, "identical_groups": 1, "sampled_entropy": 0.8, "entropy": 0.7}, None),
