@@ -26,13 +26,13 @@ class TrainConfig(_Strict):
         "constant", description="how the learning rate moves over the adapter's steps (Hugging "
         "Face's and ART's trainer_args name): 'constant' (after any warmup), or from "
         "learning_rate after the warmup down to 0 at max_steps, in a straight line ('linear') "
-        "or along a half cosine ('cosine'). The step is the adapter's count of GRPO updates, "
-        "kept in its checkpoint, so a resumed run goes on where it was")
+        "or along a half cosine ('cosine'). The step is the adapter's count of GRPO updates "
+        "(kept in its checkpoint, so a resumed run goes on where it was; a step with nothing "
+        "to train, every group's rewards equal, does not count)")
     warmup_steps: int = Field(
         0, ge=0, description="GRPO steps whose learning rate ramps up linearly before the "
-        "schedule (step i of them at (i+1)/(warmup_steps+1) of learning_rate); a few (2-5) "
-        "keep a fresh adapter's first, noisiest updates small, when a high learning_rate "
-        "collapses some seeds")
+        "schedule (step i of them at (i+1)/(warmup_steps+1) of learning_rate): a few keep a "
+        "fresh adapter's first updates small, for a high learning_rate")
     max_steps: int | None = Field(
         None, ge=1, description="the run's length in GRPO steps, where 'linear' and 'cosine' "
         "reach 0 (needed by them; later steps train at 0); unused by 'constant'")

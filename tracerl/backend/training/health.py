@@ -246,15 +246,7 @@ def step_warnings(m: dict[str, Any], thresholds: dict[str, float] | None = None
                   ) -> list[HealthWarning]:
     """The warnings a step's metrics call for (empty when healthy)."""
     t = {**collapse_thresholds(), **THRESHOLDS, **(thresholds or {})}
-    out: list[HealthWarning] = []
-    collapsed = _collapse_warning(m, t)
-    if collapsed is not None:
-        out.append(collapsed)
-    if m.get("learning_rate") == 0.0 and not m.get("skipped"):
-        out.append(HealthWarning(
-            "learning_rate", "the step trained at learning rate 0: its adapter is past the "
-            "schedule's max_steps (TrainConfig.lr_scheduler_type decays to 0 there)",
-            "raise max_steps to the run's length, or train at lr_scheduler_type='constant'"))
+    out = _learning_warnings(m, t)
     groups, skipped = float(m.get("groups", 0) or 0), float(m.get("skipped_groups", 0) or 0)
     if groups and skipped / groups >= t["skipped_groups"]:
         seen = (f"all {skipped:.0f} groups" if skipped >= groups
@@ -322,6 +314,17 @@ def step_warnings(m: dict[str, Any], thresholds: dict[str, float] | None = None
             f"engine and trainer logprobs of the sampled tokens disagree (KL {kl:.3g} nats/token)",
             "the engine serves other weights, another adapter, dtype or chat template than the "
             "trainer; run `tracerl doctor --live`"))
+    return out
+
+
+def _learning_warnings(m: dict[str, Any], t: dict[str, float]) -> list[HealthWarning]:
+    """An entropy collapse (:func:`_collapse_warning`); a step trained at learning rate 0."""
+    out = [w for w in (_collapse_warning(m, t),) if w is not None]
+    if m.get("learning_rate") == 0.0 and not m.get("skipped"):
+        out.append(HealthWarning(
+            "learning_rate", "the step trained at learning rate 0: its adapter is past the "
+            "schedule's max_steps (TrainConfig.lr_scheduler_type decays to 0 there)",
+            "raise max_steps to the run's length, or train at lr_scheduler_type='constant'"))
     return out
 
 
