@@ -334,8 +334,8 @@ def _collapse_warning(m: dict[str, Any], t: dict[str, float]) -> HealthWarning |
     groups = float(m.get("groups", 0) or 0)
     if not groups:
         return None
-    identical, flat = float(m.get("identical_groups", 0) or 0), float(m.get("skipped_groups", 0)
-                                                                       or 0)
+    identical = float(m.get("identical_groups", 0) or 0)
+    flat = float(m.get("skipped_groups", 0) or 0)  # groups with equal rewards
     entropy = m.get("sampled_entropy", m.get("entropy"))
     if identical / groups >= t["identical_groups"]:
         seen = (f"all {identical:.0f} groups" if identical >= groups
