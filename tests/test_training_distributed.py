@@ -27,8 +27,9 @@ from .conftest import make_random_lora, until
 from .test_training_step import _rollouts
 
 LORA = LoraConfig(r=8, alpha=16, target_modules=["q_proj", "v_proj"])
-# 4 micro-batches of 24 tokens: dealt 2 + 2 to two ranks
-CONFIG = TrainConfig(learning_rate=1e-3, micro_batch_tokens=24)
+# 4 micro-batches of 24 tokens: dealt 2 + 2 to two ranks; a warmup step (at half the rate)
+# before the full rate: the ranks take each step's rate from the checkpoint's step count
+CONFIG = TrainConfig(learning_rate=1e-3, micro_batch_tokens=24, warmup_steps=1)
 NAN = float("nan")
 
 
@@ -133,6 +134,7 @@ def test_two_ranks_train_the_one_process_adapter_on_the_same_rows(one_process, s
         assert metrics[key] == pytest.approx(reference[key], rel=1e-4), key
     for key in ("trained_tokens", "tokens", "micro_batches"):
         assert metrics[key] == reference[key], key
+    assert metrics["learning_rate"] == reference["learning_rate"] == 5e-4  # the warmup step
     assert_same_checkpoint(out, one_process.root / "one-1")
 
 
@@ -143,7 +145,8 @@ def test_two_ranks_resume_from_their_checkpoint_like_one_process(one_process):
     if not first.exists():
         distributed_step("ddp", one_process.init, tiny_rows(0), first)
     second = one_process.root / "fsdp2-2"
-    distributed_step("fsdp2", first, tiny_rows(1), second)
+    metrics = distributed_step("fsdp2", first, tiny_rows(1), second)
+    assert metrics["learning_rate"] == one_process.metrics[1]["learning_rate"] == 1e-3
     assert json.loads((second / "trainer_state.json").read_text())["steps_done"] == 2
     assert_same_checkpoint(second, one_process.root / "one-2", one_process.root / "one-1")
 

@@ -79,8 +79,62 @@ def test_same_weights_give_no_engine_kl_warning(unhealthy_step):
     ({"prefix_mismatch_fraction": 0.5, "unspliced_turns": 3, "new_conversations": 1},
      "in 50% of turns (3 the gateway did not splice; 1 that started a conversation of their "
      "own (subagents)): see each call's metadata['turn']['why']"),
+    ({"groups": 4, "skipped_groups": 3, "sampled_entropy": 0.01},
+     "entropy collapse: the sampled tokens' entropy fell to 0.01 nats/token while 3 of 4 "
+     "groups had equal rewards: the policy collapsed onto one answer: keep entropy up with "
+     "clip-higher"),
+    ({"groups": 4, "skipped_groups": 0, "sampled_entropy": 0.01}, None),
+    ({"groups": 4, "identical_groups": 2, "skipped_groups": 1, "sampled_entropy": 0.8},
+     "entropy collapse: 2 of 4 groups sampled the same completion in every rollout"),
+    ({"groups": 4, "identical_groups": 1, "sampled_entropy": 0.8, "entropy": 0.7}, None),
+    ({"groups": 4, "learning_rate": 0.0, "loss": 0.1},
+     "trained at learning rate 0: its adapter is past the schedule's max_steps"),
 ], ids=["all-groups-equal", "under-threshold", "task-solved", "engine-kl",
-        "forty-percent-rewrites", "not-spliced-and-subagents"])
+        "forty-percent-rewrites", "not-spliced-and-subagents", "low-entropy-flat-rewards",
+        "low-entropy-rewards-spread", "half-the-groups-identical", "one-group-identical",
+        "past-max-steps"])
 def test_warning_thresholds(metrics, expected):
     found = [str(w) for w in step_warnings(metrics)]
     assert (expected is None and not found) or any(expected in w for w in found), found
+
+
+async def test_an_entropy_collapse_is_measured_and_warned_with_its_fixes(tf_backend):
+    """Real recorded rollouts: a step whose groups each sampled one completion in every rollout
+    (greedy, the same prompt) with flat rewards is an entropy collapse, and its warning names the
+    fixes; a healthy step (sampled at temperature 1, rewards spread) is not."""
+    import tracerl
+    from tests.conftest import _chat
+
+    backend, _ = tf_backend
+    model = tracerl.TrainableModel(  # its own model: the session's `gw` stays at step 0
+        name="collapse", project="tests", base_model="smollm2",
+        config=tracerl.ModelConfig(engine=tracerl.EngineConfig(max_model_len=256)))
+    await model.register(backend)
+
+    async def rollout(prompt: str, temperature: float, reward: float) -> tracerl.Trajectory:
+        messages = [{"role": "user", "content": prompt}]
+        choice = await _chat(model, messages, 8, temperature=temperature)
+        return tracerl.Trajectory(messages_and_choices=[*messages, choice], reward=reward)
+
+    collapsed = await tracerl.gather_trajectory_groups(
+        [tracerl.TrajectoryGroup(rollout(f"Name a colour ({item}).", 0.0, 1.0) for _ in range(3))
+         for item in range(2)], show_progress=False)
+    metrics = await model.train(collapsed, config=tracerl.TrainConfig(learning_rate=1e-5))
+    assert metrics["identical_groups"] == 2 and metrics["skipped_groups"] == 2, metrics
+    warnings = [str(w) for w in step_warnings(metrics) if w.item == "collapse"]
+    assert warnings == [
+        "entropy collapse: all 2 groups sampled the same completion in every rollout: the "
+        "policy collapsed onto one answer: keep entropy up with clip-higher "
+        "(TrainConfig(epsilon_high=0.28)), a lower learning_rate (or warmup_steps), larger "
+        "groups (more rollouts per item), and dynamic sampling (gather_trajectory_groups(..., "
+        "dynamic_sampling=tracerl.DynamicSampling())), then restart from a checkpoint from "
+        "before the collapse"]
+    assert metrics["health_warnings"] >= 2  # and the equal rewards' own warning
+
+    healthy = await tracerl.gather_trajectory_groups(
+        [tracerl.TrajectoryGroup(rollout(f"Say the number {i + 3} and a word.", 1.0, float(i))
+                                 for i in range(3)) for _ in range(2)], show_progress=False)
+    metrics = await model.train(healthy, config=tracerl.TrainConfig(learning_rate=1e-5))
+    assert metrics["identical_groups"] == 0 and metrics["skipped_groups"] == 0, metrics
+    assert metrics["sampled_entropy"] > 0.05 and metrics["entropy"] > 0.05, metrics
+    assert not [w for w in step_warnings(metrics) if w.item == "collapse"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
@@ -19,7 +20,22 @@ class TrainConfig(_Strict):
     learning_rate: float = Field(
         5e-6, gt=0, le=1.0, description="AdamW's learning rate for the LoRA weights, set at each "
         "step (so a schedule is a different value per step); lower it when rewards collapse or "
-        "the KL jumps, raise it when nothing moves after several steps")
+        "the KL jumps, raise it when nothing moves after several steps; with a schedule "
+        "(lr_scheduler_type, warmup_steps) the peak rate")
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="how the learning rate moves over the adapter's steps (Hugging "
+        "Face's and ART's trainer_args name): 'constant' (after any warmup), or from "
+        "learning_rate after the warmup down to 0 at max_steps, in a straight line ('linear') "
+        "or along a half cosine ('cosine'). The step is the adapter's count of GRPO updates "
+        "(kept in its checkpoint, so a resumed run goes on where it was; a step with nothing "
+        "to train, every group's rewards equal, does not count)")
+    warmup_steps: int = Field(
+        0, ge=0, description="GRPO steps whose learning rate ramps up linearly before the "
+        "schedule (step i of them at (i+1)/(warmup_steps+1) of learning_rate): a few keep a "
+        "fresh adapter's first updates small, for a high learning_rate")
+    max_steps: int | None = Field(
+        None, ge=1, description="the run's length in GRPO steps, where 'linear' and 'cosine' "
+        "reach 0 (needed by them; later steps train at 0); unused by 'constant'")
     loss_fn: Literal["ppo", "cispo"] = Field(
         "ppo", description="'ppo': the clipped surrogate (GRPO); 'cispo': the clipped importance "
         "weight times the token logprob, the weight detached (ART 0.5's default, with "
@@ -68,7 +84,26 @@ class TrainConfig(_Strict):
     def _check(self) -> TrainConfig:
         if self.epsilon_high is not None and self.epsilon_high < self.epsilon * 0.1:
             raise ConfigError("epsilon_high is implausibly small compared with epsilon")
+        if self.lr_scheduler_type != "constant" and self.max_steps is None:
+            raise ConfigError(f"lr_scheduler_type={self.lr_scheduler_type!r} decays to 0 at "
+                              "max_steps: set max_steps (the run's length in GRPO steps)")
+        if self.max_steps is not None and self.warmup_steps >= self.max_steps:
+            raise ConfigError(f"warmup_steps ({self.warmup_steps}) must be fewer than "
+                              f"max_steps ({self.max_steps})")
         return self
+
+    def learning_rate_at(self, step: int) -> float:
+        """The learning rate of the adapter's GRPO update number ``step`` (0 for its first):
+        the linear warmup, then ``lr_scheduler_type`` from ``learning_rate`` down to 0 at
+        ``max_steps``."""
+        if step < self.warmup_steps:
+            return self.learning_rate * (step + 1) / (self.warmup_steps + 1)
+        if self.lr_scheduler_type == "constant" or self.max_steps is None:
+            return self.learning_rate
+        progress = min((step - self.warmup_steps) / (self.max_steps - self.warmup_steps), 1.0)
+        if self.lr_scheduler_type == "linear":
+            return self.learning_rate * (1.0 - progress)
+        return self.learning_rate * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 class TrainSFTConfig(_Strict):

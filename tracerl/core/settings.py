@@ -192,6 +192,14 @@ TRACERL_MAX_UNKEYED = _declare(
 TRACERL_DISABLE_UNSLOTH = _on_off(
     False, TRAINING, "1: train with plain peft even where Unsloth is importable on CUDA (set "
     "for the distributed trainer's ranks)")
+TRACERL_COLLAPSE_IDENTICAL_GROUPS = _declare(
+    "float", float, 0.5, TRAINING, "step health: the share of a step's groups whose rollouts all "
+    "sampled the same completion at which the step warns of an entropy collapse (and names the "
+    "fixes); above 1: never")
+TRACERL_COLLAPSE_ENTROPY = _declare(
+    "float", float, 0.05, TRAINING, "step health: nats per sampled token (the engine's "
+    "logprobs, every completion of the step) under which a step where half its groups or more "
+    "had equal rewards warns of an entropy collapse; 0: never")
 TRACERL_ONLINE_REWARD_TTL_S = _seconds(
     86400.0, TRAINING, "online mode: seconds a live call waits to be trained on (its feedback, "
     "then enough comparable calls for a group) before it expires, counted and never trained; "

@@ -18,6 +18,11 @@ Every step logs these beside loss and reward (``history.jsonl``):
   differently from the engine's tokens (spliced turns are not rendered, so not compared);
 - ``engine_kl``: KL(engine || trainer) over the sampled tokens (k3 estimate, from the trainer);
 - ``length_clipped_fraction``: completions cut at ``max_tokens``;
+- ``identical_groups``: groups whose rollouts all sampled the same completion tokens, and
+  ``sampled_entropy``: the mean surprisal (-logprob, as the engine recorded it) of every sampled
+  completion token of the step, trained or not (an estimate of the policy's per-token entropy;
+  the trainer's exact ``entropy`` covers only the trained rows): together they tell an entropy
+  collapse (:func:`collapse`);
 - ``fingerprint_mismatches``: calls the engine served with other weights than the policy
   version they claim (``LLMCall.adapter_digest`` vs the checkpoint's digest,
   :mod:`tracerl.core.fingerprint`); refused, not trained on. ``fingerprint_unverified``: calls
@@ -36,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ...core import settings
 from ...core.storage import ModelStore, append_jsonl, atomic_write_text, read_jsonl
 from ...core.trajectory import TrajectoryGroup
 from ..rollout_log import late_calls_path, pending_rollout_ids
@@ -72,6 +78,31 @@ def completion_clipping(groups: Iterable[TrajectoryGroup]) -> dict[str, float]:
                     clipped += completion.finish_reason == "length"
     return {"completions": float(total), "length_clipped": float(clipped),
             "length_clipped_fraction": clipped / total if total else 0.0}
+
+
+def collapse(groups: Iterable[TrajectoryGroup]) -> dict[str, float]:
+    """Signs of an entropy collapse: ``identical_groups``, groups of two rollouts or more that
+    all sampled the same completion tokens (their text, for rollouts without token records),
+    and ``sampled_entropy``, the mean -logprob of the sampled tokens the engine recorded (no
+    key when it recorded none)."""
+    identical = surprisal = tokens = 0.0
+    for group in groups:
+        samples: list[object] = []  # of the rollouts that sampled anything (of this model)
+        for trajectory in group:
+            sampled = tuple(tuple(c.token_ids) for call in trajectory.llm_calls
+                            for c in call.completions) or [
+                m for m in trajectory.messages() if m.get("role") == "assistant"]
+            if sampled:
+                samples.append(sampled if isinstance(sampled, tuple)
+                               else json.dumps(sampled, sort_keys=True, default=str))
+            for call in trajectory.llm_calls:
+                for completion in call.completions:
+                    if completion.logprobs:
+                        surprisal -= sum(completion.logprobs)
+                        tokens += len(completion.logprobs)
+        identical += len(samples) > 1 and len(set(samples)) == 1
+    return {"identical_groups": identical,
+            **({"sampled_entropy": surprisal / tokens} if tokens else {})}
 
 
 def template_mismatches(groups: Iterable[TrajectoryGroup],
@@ -192,6 +223,21 @@ THRESHOLDS: dict[str, float] = {
 }
 
 
+def collapse_thresholds() -> dict[str, float]:
+    """The collapse warning's thresholds, from their settings (an entry of the same name in
+    :data:`THRESHOLDS` wins): ``identical_groups`` (a fraction of the step's groups) and
+    ``collapse_entropy`` (nats per sampled token, under which a step of flat rewards warns)."""
+    return {"identical_groups": settings.TRACERL_COLLAPSE_IDENTICAL_GROUPS.get(),
+            "collapse_entropy": settings.TRACERL_COLLAPSE_ENTROPY.get()}
+
+
+COLLAPSE_FIX = ("the policy collapsed onto one answer: keep entropy up with clip-higher "
+                "(TrainConfig(epsilon_high=0.28)), a lower learning_rate (or warmup_steps), "
+                "larger groups (more rollouts per item), and dynamic sampling "
+                "(gather_trajectory_groups(..., dynamic_sampling=tracerl.DynamicSampling())), "
+                "then restart from a checkpoint from before the collapse")
+
+
 def _pct(x: float) -> str:
     return f"{100 * x:.0f}%"
 
@@ -199,8 +245,8 @@ def _pct(x: float) -> str:
 def step_warnings(m: dict[str, Any], thresholds: dict[str, float] | None = None
                   ) -> list[HealthWarning]:
     """The warnings a step's metrics call for (empty when healthy)."""
-    t = {**THRESHOLDS, **(thresholds or {})}
-    out: list[HealthWarning] = []
+    t = {**collapse_thresholds(), **THRESHOLDS, **(thresholds or {})}
+    out = _learning_warnings(m, t)
     groups, skipped = float(m.get("groups", 0) or 0), float(m.get("skipped_groups", 0) or 0)
     if groups and skipped / groups >= t["skipped_groups"]:
         seen = (f"all {skipped:.0f} groups" if skipped >= groups
@@ -269,6 +315,39 @@ def step_warnings(m: dict[str, Any], thresholds: dict[str, float] | None = None
             "the engine serves other weights, another adapter, dtype or chat template than the "
             "trainer; run `tracerl doctor --live`"))
     return out
+
+
+def _learning_warnings(m: dict[str, Any], t: dict[str, float]) -> list[HealthWarning]:
+    """An entropy collapse (:func:`_collapse_warning`); a step trained at learning rate 0."""
+    out = [w for w in (_collapse_warning(m, t),) if w is not None]
+    if m.get("learning_rate") == 0.0 and not m.get("skipped"):
+        out.append(HealthWarning(
+            "learning_rate", "the step trained at learning rate 0: its adapter is past the "
+            "schedule's max_steps (TrainConfig.lr_scheduler_type decays to 0 there)",
+            "raise max_steps to the run's length, or train at lr_scheduler_type='constant'"))
+    return out
+
+
+def _collapse_warning(m: dict[str, Any], t: dict[str, float]) -> HealthWarning | None:
+    """The step's rollouts became identical within their groups, or its sampled tokens' entropy
+    fell under ``collapse_entropy`` while the rewards were flat (most groups equal)."""
+    groups = float(m.get("groups", 0) or 0)
+    if not groups:
+        return None
+    identical = float(m.get("identical_groups", 0) or 0)
+    flat = float(m.get("skipped_groups", 0) or 0)  # groups with equal rewards
+    entropy = m.get("sampled_entropy", m.get("entropy"))
+    if identical / groups >= t["identical_groups"]:
+        seen = (f"all {identical:.0f} groups" if identical >= groups
+                else f"{identical:.0f} of {groups:.0f} groups")
+        message = f"{seen} sampled the same completion in every rollout"
+    elif (entropy is not None and float(entropy) < t["collapse_entropy"]
+          and flat / groups >= 0.5):
+        message = (f"the sampled tokens' entropy fell to {float(entropy):.3g} nats/token while "
+                   f"{flat:.0f} of {groups:.0f} groups had equal rewards")
+    else:
+        return None
+    return HealthWarning("collapse", f"entropy collapse: {message}", COLLAPSE_FIX)
 
 
 EDITS_FIX = ("the agent edits history between calls (trims, summarises or rewrites messages): "

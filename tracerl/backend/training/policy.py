@@ -142,11 +142,12 @@ class Policy(Rendering):
     # --- the seam of the update (update.UpdatedPolicy) ---------------------------------------
 
     def prepare(self, config: TrainConfig) -> None:
-        """Seed, learning rate and training mode of a step under ``config``."""
+        """Seed, learning rate (of this adapter's step count under the config's schedule) and
+        training mode of a step under ``config``."""
         if config.seed is not None:
             torch.manual_seed(config.seed)
         for g in self.optimizer.param_groups:
-            g["lr"] = config.learning_rate
+            g["lr"] = config.learning_rate_at(self.steps_done)
             g["weight_decay"] = config.weight_decay
         if config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()

@@ -204,6 +204,7 @@ def step_rows(policy: Policy, groups: list[TrajectoryGroup], config: TrainConfig
     rows, stats, skipped_groups = rows_with_advantages(policy, groups, config, refused)
     metrics = {**stats.as_metrics(), "groups": float(len(groups)),
                "skipped_groups": float(skipped_groups), **health.completion_clipping(groups),
+               **health.collapse(groups),
                **health.template_mismatches(groups, policy.render)}
     metrics.update(health.ratios(metrics))  # step health: logged with the step's metrics
     return rows, metrics

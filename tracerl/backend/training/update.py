@@ -143,10 +143,11 @@ def update(policies: Sequence[UpdatedPolicy], batches: list[list[Row]],
             if config.max_grad_norm is not None:
                 grad_norms[policy.adapter_name] = policy.clip_grad_norm(config.max_grad_norm)
             policy.optimizer.step()
+    rates = [float(p.optimizer.param_groups[0]["lr"]) for p in policies]  # this step's
     for policy in policies:
         policy.steps_done += 1
     return [step_metrics(p.sum_over_ranks(sums[p.adapter_name]), t, grad_norms[p.adapter_name],
-                         config) for p, t in zip(policies, totals, strict=True)]
+                         lr) for p, t, lr in zip(policies, totals, rates, strict=True)]
 
 
 def accumulate_gradients(lead: UpdatedPolicy, batches: list[list[Row]], config: TrainConfig,
@@ -249,8 +250,9 @@ def loss_normalizer(totals: dict[str, float], config: TrainConfig) -> float:
 
 
 def step_metrics(sums: dict[str, float], totals: dict[str, float], grad_norm: float,
-                 config: TrainConfig) -> dict[str, float]:
-    """A step's metrics from its metric sums and totals (:func:`step_totals`)."""
+                 learning_rate: float) -> dict[str, float]:
+    """A step's metrics from its metric sums and totals (:func:`step_totals`), with the
+    learning rate it trained at (the config's schedule at the policy's step)."""
     n = totals["trained_tokens"]
     metrics = dict(
         loss=sums["loss"],
@@ -264,7 +266,7 @@ def step_metrics(sums: dict[str, float], totals: dict[str, float], grad_norm: fl
         trained_tokens=n,
         tokens=totals["tokens"],
         micro_batches=totals["micro_batches"],
-        learning_rate=config.learning_rate,
+        learning_rate=learning_rate,
     )
     if not math.isfinite(metrics["loss"]):
         raise FloatingPointError(f"non-finite loss {metrics['loss']} in a training step")
