@@ -237,6 +237,17 @@ async def train(project: str, name: str, control: Control, request: Request
     return StreamingResponse(_ndjson(control.queue.events(job)), media_type=NDJSON)
 
 
+@router.post(MODEL_PATH + "/check")
+async def check(project: str, name: str, control: Control, request: Request) -> dict[str, int]:
+    """The train route's checks of an upload's rows, nothing queued or written (a 400 naming
+    the row, as the train route answers): ``RemoteBackend.train_many`` checks every model's
+    rows before any model trains."""
+    model = control.model(project, name)
+    _, groups = decode_groups(await read_limited_body(request, control.max_upload_bytes))
+    control.backend.check_groups(model, groups)
+    return {"checked": len(groups)}
+
+
 @router.post(MODEL_PATH + "/log")
 async def log(project: str, name: str, control: Control, request: Request) -> dict[str, Any]:
     model = control.model(project, name)
