@@ -164,6 +164,9 @@ def _cmd_release(args: argparse.Namespace) -> int:
         from .core.storage import ModelStore
 
         store = ModelStore(args.path, project, name)
+        if not (store.root / "model.json").is_file():
+            raise ConfigError(f"--path {args.path} holds no model {project}/{name} (no "
+                              f"{store.root / 'model.json'}); nothing was written")
         if step > 0 and step not in store.checkpoint_steps():
             raise ConfigError(f"{args.model} has no checkpoint {step} "
                               f"(checkpoints: {store.checkpoint_steps()})")
@@ -184,7 +187,17 @@ def _cmd_release(args: argparse.Namespace) -> int:
     except urllib.error.HTTPError as e:
         print(f"tracerl: error: {e.code} {e.read().decode(errors='replace')}", file=sys.stderr)
         return 2
-    print(f"{args.model}: incumbent {answer['incumbent']}")
+    except (urllib.error.URLError, OSError) as e:  # refused, unreachable, timed out
+        reason = getattr(e, "reason", e)
+        print(f"tracerl: error: could not reach tracerl serve at {args.server} ({reason}); is "
+              "it running? (--server; --path changes a stopped server's folder)",
+              file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"tracerl: error: {args.server} answered something that is not JSON ({e})",
+              file=sys.stderr)
+        return 2
+    print(f"{args.model}: incumbent {answer.get('incumbent')}")
     return 0
 
 
