@@ -308,9 +308,6 @@ class LocalBackend(Backend):
         spec = registered(self.gateway.models, self.registrar.placed(model).key).engine.spec
         check_token_records(groups, vocab_size(spec.model_path), spec.config.max_model_len)
 
-    async def check_rows(self, model: ModelLike, groups: list[TrajectoryGroup]) -> None:
-        self.check_groups(model, groups)
-
     async def train_events(self, model: ModelLike, groups: list[TrajectoryGroup],
                            config: TrainConfig) -> AsyncIterator[TrainEvent]:
         self.check_groups(model, groups)

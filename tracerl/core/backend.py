@@ -144,12 +144,16 @@ class Backend(ABC):
                 result = TrainResult(step=event.step, metrics=dict(event.metrics))
         return result
 
-    async def check_rows(self, model: ModelLike, groups: list[TrajectoryGroup]) -> None:
+    def check_groups(self, model: ModelLike, groups: list[TrajectoryGroup]) -> None:
         """Raise :class:`InvalidTrajectoryError` naming the first row of ``groups`` that
         ``model`` cannot train on (a token id outside its vocabulary, a reward beyond
         ``±MAX_REWARD``, ...); nothing is queued or written. This default checks nothing (the
         step does)."""
         del model, groups
+
+    async def check_rows(self, model: ModelLike, groups: list[TrajectoryGroup]) -> None:
+        """:meth:`check_groups`, for a backend that must ask elsewhere (a remote server)."""
+        self.check_groups(model, groups)
 
     async def train_many(self, groups: Mapping[ModelLike, Iterable[TrajectoryGroup]],
                          config: TrainConfig | None = None) -> dict[ModelLike, TrainResult]:

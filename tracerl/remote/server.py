@@ -134,8 +134,13 @@ class ControlServer:
         for definition_path in sorted(Path(base_path).glob("*/models/*/model.json")):
             key = "/".join(definition_path.parts[-4:-1:2])  # PROJECT/models/NAME
             try:
-                spec = await self._add(
-                    ModelSpec.from_definition(json.loads(definition_path.read_text())))
+                definition = ModelSpec.read(definition_path)
+            except ConfigError as e:
+                logger.error("model %s is not served: %s", key, e)
+                self.restore_errors[key] = str(e)
+                continue
+            try:
+                spec = await self._add(definition)
             except Exception as e:
                 logger.exception("model %s is not served: %s", key, e)
                 self.restore_errors[key] = f"{type(e).__name__}: {e}"

@@ -3,7 +3,6 @@ by side, each logged as ``val`` at its step."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +40,7 @@ def read_spec(model_dir: Path) -> tuple[Path, ModelSpec]:
     definition = model_dir / "model.json"
     if not definition.is_file():
         raise ConfigError(f"{model_dir} is not a model folder (no model.json)")
-    try:
-        spec = ModelSpec.from_definition(json.loads(definition.read_text()))
-    except (ValueError, TypeError, KeyError) as e:  # JSON, UTF-8 or the definition's fields
-        raise ConfigError(f"{definition} is not a readable model definition: "
-                          f"{type(e).__name__}: {str(e)[:300]}") from None
-    return model_dir.parent.parent.parent, spec
+    return model_dir.parent.parent.parent, ModelSpec.read(definition)
 
 
 def table(results: dict[int, dict[str, float]]) -> str:
