@@ -171,11 +171,12 @@ class StepsFailedError(TrainingError, code="some_steps_failed"):
     the update (its groups are on disk for ``backend.pending_groups(model)``). ``results``
     holds the finished models' results, keyed as given to ``train_many``."""
 
-    def __init__(self, failed: dict[str, BaseException],
+    def __init__(self, failed: dict[str, BaseException] | str,
                  results: dict[Any, Any] | None = None) -> None:
-        self.failed = failed
+        # a message alone: the error as a server answered it (exception_for)
+        self.failed = {} if isinstance(failed, str) else failed
         self.results = dict(results or {})
-        super().__init__("the step of " + "; ".join(
+        super().__init__(failed if isinstance(failed, str) else "the step of " + "; ".join(
             f"{key} failed: {type(e).__name__}: {e}" for key, e in failed.items()))
 
 
