@@ -406,6 +406,18 @@ async def test_model_log_averages_group_metrics(logged):
 async def test_model_log_needs_something_to_log(scoped):
     with pytest.raises(tracerl.InvalidTrajectoryError, match="metrics="):
         await scoped.model.log()
+    with pytest.raises(tracerl.InvalidTrajectoryError, match="metrics="):
+        await scoped.model.log([])
+
+
+async def test_model_log_of_no_trajectories_with_metrics_logs_the_metrics(scoped):
+    """As ART (a judge that dropped every group leaves ``[]``): the metrics are logged.
+    Before, ``model.log([], metrics=...)`` raised."""
+    summary = await scoped.model.log([], metrics={"judge/dropped": 4.0}, step=9, split="train")
+    assert summary == {"judge/dropped": 4.0}
+    (line,) = [h for h in await scoped.model.history() if h["step"] == 9]
+    assert line["split"] == "train" and line["judge/dropped"] == 4.0
+    assert not scoped.store.trajectories_path("train", 9).exists()
 
 
 @pytest.mark.parametrize("field", ["step", "split", "time"])

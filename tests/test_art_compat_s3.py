@@ -5,6 +5,7 @@ mode), and ART's deployment names (``art.utils.deployment``)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -115,18 +116,52 @@ def test_delete_makes_the_other_side_an_exact_copy(s3_endpoint, tmp_path):
     assert not target.checkpoint_dir(1).exists()  # the checkpoint went whole
 
 
-def test_no_bucket_and_nothing_to_pull_are_errors_naming_what_is_missing(
+def test_no_bucket_a_missing_bucket_and_nothing_to_push_are_errors_naming_what_is_missing(
         s3_endpoint, tmp_path, monkeypatch):
     store = ModelStore(tmp_path, "sync", "absent")
     monkeypatch.delenv("BACKUP_BUCKET", raising=False)
     with pytest.raises(tracerl.ConfigError, match=r"s3_bucket: .*BACKUP_BUCKET"):
         model_url(store)
-    monkeypatch.setenv("BACKUP_BUCKET", BUCKET)
-    with pytest.raises(tracerl.ConfigError, match="nothing to pull"):
+    monkeypatch.setenv("BACKUP_BUCKET", "tracerl-no-such-bucket")
+    with pytest.raises(tracerl.ConfigError, match="s3_bucket: bucket 'tracerl-no-such-bucket'"):
         pull(store, model_url(store))
     with pytest.raises(tracerl.ConfigError, match="nothing to push"):
         push(store, model_url(store))
     assert not store.root.exists()  # nothing written by a refused call
+
+
+def test_an_empty_bucket_or_prefix_pulls_nothing_and_says_so(s3_endpoint, tmp_path, caplog):
+    """As ART's ``aws s3 sync``: nothing there, nothing copied, no error (before: "nothing to
+    pull" raised, so ART's 2048 example could not start a fresh model)."""
+    import fsspec
+
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    fs.mkdir("tracerl-empty")
+    store = ModelStore(tmp_path, "sync", "fresh")
+    for url in ("s3://tracerl-empty/sync/models/fresh",
+                model_url(store, bucket="tracerl-empty", prefix="runs")):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="tracerl"):
+            result = pull(store, url)
+        assert result.copied == [] and result.deleted == []
+        assert f"nothing to pull: no objects under {url}" in caplog.text
+    assert not store.root.exists()
+
+
+async def test_a_fresh_model_pulls_from_an_empty_bucket_and_starts_at_step_0(
+        s3_endpoint, tf_backend, monkeypatch):
+    """ART's 2048 example with ``BACKUP_BUCKET`` set to an empty bucket: register, pull, go on."""
+    import fsspec
+
+    fsspec.filesystem("s3", skip_instance_cache=True).mkdir("tracerl-empty-2048")
+    monkeypatch.setenv("BACKUP_BUCKET", "tracerl-empty-2048")
+    backend, _ = tf_backend
+    model = tracerl.TrainableModel(name="fresh-2048", project="sync", base_model="smollm2",
+                                   config=tracerl.ModelConfig(
+                                       engine=tracerl.EngineConfig(max_model_len=256)))
+    await model.register(backend)
+    await backend._experimental_pull_from_s3(model, verbose=True)
+    assert await model.get_step() == 0
 
 
 async def _step(model: tracerl.TrainableModel) -> dict[str, float]:

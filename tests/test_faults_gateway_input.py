@@ -62,7 +62,7 @@ BAD_FIELDS = {
     "nan": ("chat", b'{"model": "inputs", "messages": [], "temperature": NaN}', 400, None),
     "infinity": ("chat", b'{"model": "inputs", "temperature": Infinity}', 400, None),
     "100k-deep": ("chat", b'{"model": "inputs", "messages": ' + DEEP + b"}", 400, None),
-    "5000-digit-int": ("chat", b'{"model": "inputs", "n": ' + b"9" * 5000 + b"}", 400, None),
+    "5000-digit-int": ("chat", b'{"model": "inputs", "n": ' + b"9" * 5000 + b"}", 400, "n"),
     "lone-surrogate": ("chat", b'{"model": "inputs", "messages": [{"role": "user", '
                                b'"content": "\\ud800"}]}', 400, "messages[0].content"),
     "unknown-role": ("chat", chat(messages=[{"role": "wizard", "content": "x"}]), 400,

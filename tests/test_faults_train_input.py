@@ -16,6 +16,8 @@ import pytest
 import tracerl
 from tests.remote_server import API_KEY
 from tests.test_faults_gateway_input import AUTH, files_of
+from tests.test_training_step import _rollouts
+from tracerl.core.errors import StepsFailedError
 from tracerl.remote.wire import encode_groups
 
 VOCAB = 49152  # SmolLM2's embedding rows
@@ -141,3 +143,41 @@ def test_a_row_that_fits_is_still_trained(faults_server, rows_model):
         assert r.status_code == 200
         events = [json.loads(line) for line in r.iter_lines() if line.strip()]
     assert events[-1]["event"] == "done", events[-1]
+
+
+def _files_of_b(server) -> dict[str, int]:
+    return {k: v for k, v in files_of(server.path / "data").items() if "many-b" in k}
+
+
+async def _bad_reward_groups(model: tracerl.TrainableModel) -> list[tracerl.TrajectoryGroup]:
+    groups = await _rollouts(model, [0.0, 1.0])
+    groups[0].trajectories[1].reward = 1e308  # finite, but its group's variance overflows
+    return groups
+
+
+async def test_remote_train_many_checks_every_model_first_and_trains_the_healthy_one(
+        faults_server):
+    """Through a real ``tracerl serve``: model B's rows are refused before A trains (naming B
+    and the field); A trains once and its result comes back with the error; B writes
+    nothing. Before, A trained, then B's 400 was raised and A's result lost."""
+    backend = tracerl.RemoteBackend(faults_server.url, api_key=API_KEY)
+    a, b = (tracerl.TrainableModel(name=f"many-{x}", project="fi", base_model="smollm2",
+                                   config=tracerl.ModelConfig(engine=tracerl.EngineConfig(
+                                       max_model_len=CONTEXT))) for x in "ab")
+    try:
+        for m in (a, b):
+            await m.register(backend)
+        steps = {m: await m.get_step() for m in (a, b)}
+        groups = {a: await _rollouts(a, [0.0, 1.0]), b: await _bad_reward_groups(b)}
+        before_b = _files_of_b(faults_server)
+        with pytest.raises(StepsFailedError) as failed:
+            await backend.train_many(groups, config=tracerl.TrainConfig(learning_rate=1e-3))
+        (key,) = failed.value.failed
+        error = failed.value.failed[key]
+        assert key == "fi/many-b" and isinstance(error, tracerl.InvalidTrajectoryError)
+        assert "fi/many-b" in str(error) and "trajectories[1].reward" in str(error), error
+        assert failed.value.results[a].step == steps[a] + 1  # A's result is not lost
+        assert await a.get_step() == steps[a] + 1 and await b.get_step() == steps[b]
+        assert _files_of_b(faults_server) == before_b
+    finally:
+        await backend.close()

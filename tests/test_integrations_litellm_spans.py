@@ -210,3 +210,28 @@ async def test_a_keyed_gateway_takes_the_proxys_span_posts(faults_server, tmp_pa
         assert (span.framework, span.response_id) == ("litellm-proxy", call.response["id"])
     finally:
         await model.backend.close()
+
+
+async def test_a_responses_call_through_the_proxy_carries_its_span(http, agent_model, caplog):
+    """A Responses API call through the proxy: its span is posted as a chat call's is, linked
+    to the recorded call, so the rollout's finish does not wait for a span that never comes
+    (before: recorded with its tokens, then the finish waited ``TRACERL_SPAN_WAIT_S`` and
+    warned)."""
+    async def rollout() -> tracerl.Trajectory:
+        headers = tracerl.rollout_headers(agent_model)
+        r = await http.post("/responses", headers={"x-rollout-id": headers["x-rollout-id"]},
+                            json={"model": "agent", "input": "Say hi.",
+                                  "max_output_tokens": 4})
+        assert r.status_code == 200, r.text
+        return tracerl.Trajectory(reward=0.0, metadata={"response_id": r.json()["id"]})
+
+    with caplog.at_level(logging.WARNING, logger="tracerl.rollout.gather"):
+        (t,) = await tracerl.gather_trajectories([rollout()], show_progress=False)
+    assert not [r for r in caplog.records if "span" in r.getMessage()], caplog.text
+    (call,) = t.llm_calls
+    (span,) = t.spans
+    assert (span.kind, span.framework) == ("llm", "litellm-proxy")
+    assert span.call_id == call.id and call.metadata["span_id"] == span.id
+    assert span.id == call.metadata["tags"]["posted_span_id"]
+    # the id the client was answered with (LiteLLM bridges Responses to a chat call upstream)
+    assert span.response_id == t.metadata["response_id"]

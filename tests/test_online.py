@@ -66,6 +66,9 @@ async def test_feedback_is_validated_before_it_is_written_and_names_the_response
                             ([1, 2], "body")):
             r = await http.post(f"/feedback/{response_id}", json=body)
             assert r.status_code == 400 and r.json()["error"]["param"] == field, (body, r.text)
+        r = await http.post(f"/feedback/{response_id}", content=b'{"reward": -' + b"7" * 5000
+                            + b"}", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "reward", r.text
         r = await http.post("/feedback/bad..id", json={"reward": 1.0})
         assert r.status_code == 400 and r.json()["error"]["param"] == "response_id"
         r = await http.post("/feedback/chatcmpl-unknown", json={"reward": 1.0})

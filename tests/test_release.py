@@ -138,9 +138,34 @@ def test_promote_and_rollback_commands_write_the_log_of_a_stopped_server(tmp_pat
         return subprocess.run([sys.executable, "-m", "tracerl", *args, "--path", str(tmp_path)],
                               capture_output=True, text=True, timeout=120)
 
+    # no model.json: no such model (before, its release log was written and the exit was 0)
+    files = sorted(tmp_path.rglob("*"))
+    for args in (("promote", "p/m", "3"), ("rollback", "p/m", "--to", "0"),
+                 ("promote", "p/absent", "0")):
+        out = cli(*args)
+        assert out.returncode == 2 and "holds no model p/" in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
+    assert sorted(tmp_path.rglob("*")) == files  # nothing written
+    store.write_definition(tracerl.TrainableModel(name="m", project="p",
+                                                  base_model="smollm2").spec.definition())
     assert cli("promote", "p/m", "4").returncode == 2  # no checkpoint 4: refused, nothing written
     assert not ReleaseLog(store.root).exists()
     assert cli("promote", "p/m", "3").returncode == 0
     assert cli("rollback", "p/m", "--to", "0").returncode == 0
     state = ReleaseLog(store.root).state()
     assert state.incumbent == 0 and [h["action"] for h in state.history] == ["promote", "rollback"]
+
+
+def test_promote_with_the_server_down_is_a_one_line_error(tmp_path):
+    """Nothing listens on the port: a clear line naming the server, no URLError traceback."""
+    import subprocess
+    import sys
+
+    from tests.remote_server import free_port
+
+    server = f"http://127.0.0.1:{free_port()}"
+    out = subprocess.run([sys.executable, "-m", "tracerl", "promote", "p/m", "1", "--server",
+                          server], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith(f"tracerl: error: could not reach tracerl serve at {server}"), line

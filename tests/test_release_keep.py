@@ -95,6 +95,9 @@ async def test_a_server_whose_model_lost_its_incumbent_starts_and_serves_the_oth
 
         srv.kill9()
         shutil.rmtree(store.checkpoint_dir(1))  # lost anyway (an older server, a hand)
+        broken = store.root.parent / "broken" / "model.json"  # and a torn definition
+        broken.parent.mkdir()
+        broken.write_text('{"name": "broken", "pro')
         await asyncio.to_thread(srv.start)  # starts, serves the other model
         status, answer = await asyncio.to_thread(_call, srv, "rel/other")
         assert status == 200, answer
@@ -103,7 +106,10 @@ async def test_a_server_whose_model_lost_its_incumbent_starts_and_serves_the_oth
         assert "no checkpoint 1" in answer["error"]["message"]
         assert "tracerl promote rel/r1" in answer["error"]["message"]
         unavailable = (await asyncio.to_thread(_get, srv.url + "/api/v1/status"))["unavailable"]
-        assert list(unavailable) == ["rel/r1"] and "no checkpoint 1" in unavailable["rel/r1"]
+        assert sorted(unavailable) == ["rel/broken", "rel/r1"], unavailable
+        assert "no checkpoint 1" in unavailable["rel/r1"]
+        assert unavailable["rel/broken"].startswith(f"{broken} is not a readable model "
+                                                    "definition"), unavailable
         listed = [m["id"] for m in (await asyncio.to_thread(_get, srv.url + "/v1/models"))["data"]]
         assert "rel/other" in listed and "rel/r1" not in listed
         assert "rel/r1 is not served" in srv.log.read_text()
@@ -122,6 +128,7 @@ async def test_a_server_whose_model_lost_its_incumbent_starts_and_serves_the_oth
             await model.backend.close()
         assert call.adapter_step == 4
         assert call.adapter_digest == adapter_digest(store.checkpoint_dir(4))
-        assert (await asyncio.to_thread(_get, srv.url + "/api/v1/status"))["unavailable"] == {}
+        unavailable = (await asyncio.to_thread(_get, srv.url + "/api/v1/status"))["unavailable"]
+        assert list(unavailable) == ["rel/broken"]
     finally:
         srv.stop()

@@ -188,6 +188,20 @@ async def test_an_invalid_body_is_a_400_naming_the_field_and_writes_nothing(ext,
     assert not (ext.store.root / "spans" / f"{opened['rollout_id']}.jsonl").exists()
 
 
+@pytest.mark.parametrize("route", ["reward", "finish"])
+async def test_a_5000_digit_reward_is_a_400_naming_reward(ext, route):
+    """Past Python's 4,300-digit limit the body did not parse at all, and the 400 named
+    ``body``; it names the field now."""
+    opened = await open_rollout(ext.http)
+    before = events_path(ext.store).read_bytes()
+    r = await ext.http.post(f"/v1/rollouts/{opened['rollout_id']}/{route}",
+                            content=b'{"reward": ' + b"9" * 5000 + b"}",
+                            headers={"content-type": "application/json"})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "reward"), r.text
+    assert "outside 64 bits" in r.json()["error"]["message"]
+    assert events_path(ext.store).read_bytes() == before
+
+
 async def test_an_unknown_rollout_is_a_404_and_a_reward_after_finish_a_409(ext):
     missing = await ext.http.post("/v1/rollouts/ext-nope/reward", json={"reward": 1})
     assert (missing.status_code, missing.json()["error"]["code"]) == (404, "rollout_not_found")

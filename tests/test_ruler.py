@@ -228,3 +228,26 @@ async def test_endpoint_without_structured_output_gets_a_plain_request(judge):
     out = await ruler.score_group(group("a", "b"))
     assert [("response_format" in r) for r in server.requests] == [True, False]
     assert [t.reward for t in out] == [0.5, 0.5]
+
+
+@pytest.mark.parametrize("judge_model", ["openai/o3", "o4-mini"])
+async def test_arts_reasoning_judges_through_real_litellm_get_only_the_params_they_accept(
+        judge_model):
+    """RULER's default judge in ART (``openai/o3``) and 2048's (``o4-mini``) through real
+    LiteLLM to a local OpenAI-style server: the request arrives without ``temperature`` (o-series
+    take only 1) and the group is scored. Before, LiteLLM refused ``temperature=0.0`` before
+    any request (``UnsupportedParamsError``)."""
+    pytest.importorskip("litellm")
+    from tracerl.ruler import ruler_score_group
+
+    server = JudgeServer([good(lambda tid, k: 0.5 + 0.1 * k)])
+    try:
+        out = await ruler_score_group(group("a", "b"), judge_model, extra_litellm_params={
+            "api_base": server.url, "api_key": "k"})
+    finally:
+        server.close()
+    assert out is not None and sorted(t.reward for t in out) == [0.5, 0.6]
+    (request,) = server.requests
+    assert request["model"] == judge_model.removeprefix("openai/")
+    assert "temperature" not in request, request.keys()
+    assert request["response_format"]["type"] == "json_schema"

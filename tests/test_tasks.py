@@ -160,3 +160,40 @@ async def test_agent_demo_learns_to_use_the_tool(tmp_path):
     assert base["metrics/tool_call_valid"] <= 0.2, result
     assert last["metrics/tool_call_valid"] >= base["metrics/tool_call_valid"] + 0.5, result
     assert last["reward"] >= base["reward"] + 0.2, result
+
+
+@pytest.mark.parametrize("option, value", [("--temperature", "nan"), ("--temperature", "-1"),
+                                           ("--n", "0"), ("--samples", "0")])
+def test_tracerl_eval_refuses_bad_arguments_up_front_naming_the_option(tmp_path, option, value):
+    out = subprocess.run(
+        [sys.executable, "-m", "tracerl", "eval", str(tmp_path), "--task", "tool-products",
+         option, value], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and f"argument {option}:" in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+
+
+def test_a_corrupt_model_json_is_an_error_naming_the_file(tmp_path):
+    (tmp_path / "model.json").write_text('{"name": "m", "pro')
+    out = subprocess.run(
+        [sys.executable, "-m", "tracerl", "eval", str(tmp_path), "--task", "tool-products"],
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert f"{tmp_path / 'model.json'} is not a readable model definition" in out.stderr
+
+
+def test_tracerl_eval_exits_non_zero_naming_the_first_failed_rollout(tmp_path):
+    """The tool task's agent on a model whose chat template cannot render its tools (the base
+    template, not the task's): every rollout fails. Before, eval printed zeros and exited 0."""
+    folder = tmp_path / "p" / "models" / "m"
+    folder.mkdir(parents=True)
+    spec = tracerl.TrainableModel(name="m", project="p", base_model="smollm2").spec
+    (folder / "model.json").write_text(json.dumps(spec.definition()))
+    command = [sys.executable, "-m", "tracerl", "eval", str(folder), "--task", "tool-products",
+               "--steps", "base", "--n", "1", "--no-log"]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert out.returncode != 0, out.stdout[-2000:]
+    assert "1 of 1 rollouts of the base failed; the first:" in out.stderr, out.stderr[-3000:]
+    assert "chat template" in out.stderr.splitlines()[-1]
+    out = subprocess.run([*command, "--allow-failures"], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0 and "reward" in out.stdout, out.stderr[-3000:]

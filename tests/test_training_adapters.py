@@ -161,6 +161,33 @@ async def test_train_many_validates_before_writing(pair):
     assert backend.store(a).checkpoint_steps()[-1] == await a.get_step()
 
 
+async def test_train_many_checks_every_models_rows_first_and_trains_the_healthy_ones(pair):
+    """Model A's rows hold a token id past the vocabulary, B's a reward of 1e308: both are
+    refused (naming the model and the field) before anything trains; then A's bad rows beside
+    B's healthy ones: B trains and its result comes with the error, A takes no step and writes
+    nothing. Before, a bare IndexError / FloatingPointError failed both models' step."""
+    backend, a, b = pair.backend, pair.a, pair.b
+    steps = {m: await m.get_step() for m in (a, b)}
+    bad_ids = await _rollouts(a, [0.0, 1.0])
+    bad_ids[0].trajectories[0].messages_and_choices[0].model_extra["token_ids"] = [49152]
+    bad_reward = await _rollouts(b, [0.0, 1.0])
+    bad_reward[0].trajectories[1].reward = 1e308
+    files = {m: _files(backend.store(m).root) for m in (a, b)}
+    with pytest.raises(StepsFailedError) as failed:
+        await backend.train_many({a: bad_ids, b: bad_reward})
+    assert failed.value.results == {}
+    for m, field in ((a, "messages_and_choices[0].token_ids[0]"), (b, "trajectories[1].reward")):
+        error = failed.value.failed[spec_of(m).key]
+        assert isinstance(error, tracerl.InvalidTrajectoryError)
+        assert spec_of(m).key in str(error) and field in str(error), error
+        assert _files(backend.store(m).root) == files[m] and await m.get_step() == steps[m]
+    with pytest.raises(StepsFailedError) as failed:
+        await backend.train_many({a: bad_ids, b: await _rollouts(b, [0.0, 1.0])})
+    assert list(failed.value.failed) == [spec_of(a).key]
+    assert failed.value.results[b].step == steps[b] + 1 == await b.get_step()
+    assert await a.get_step() == steps[a] and _files(backend.store(a).root) == files[a]
+
+
 @pytest.fixture(scope="module")
 def killed_between_checkpoints(tmp_path_factory):
     """``train_many_script.py``: a two-model step killed with SIGKILL after the first model's

@@ -92,7 +92,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     results = asyncio.run(eval_steps(
         Path(args.model_dir), args.task, args.steps, n=args.n, samples=args.samples,
-        temperature=args.temperature, seed=args.seed, engine=args.engine, log=not args.no_log))
+        temperature=args.temperature, seed=args.seed, engine=args.engine, log=not args.no_log,
+        allow_failures=args.allow_failures))
     print(f"{args.task}: held-out, {args.n} items x {args.samples} "
           f"({'greedy' if args.temperature == 0 else f'temperature {args.temperature}'})")
     print(table(results))
@@ -163,6 +164,9 @@ def _cmd_release(args: argparse.Namespace) -> int:
         from .core.storage import ModelStore
 
         store = ModelStore(args.path, project, name)
+        if not (store.root / "model.json").is_file():
+            raise ConfigError(f"--path {args.path} holds no model {project}/{name} (no "
+                              f"{store.root / 'model.json'}); nothing was written")
         if step > 0 and step not in store.checkpoint_steps():
             raise ConfigError(f"{args.model} has no checkpoint {step} "
                               f"(checkpoints: {store.checkpoint_steps()})")
@@ -183,7 +187,17 @@ def _cmd_release(args: argparse.Namespace) -> int:
     except urllib.error.HTTPError as e:
         print(f"tracerl: error: {e.code} {e.read().decode(errors='replace')}", file=sys.stderr)
         return 2
-    print(f"{args.model}: incumbent {answer['incumbent']}")
+    except (urllib.error.URLError, OSError) as e:  # refused, unreachable, timed out
+        reason = getattr(e, "reason", e)
+        print(f"tracerl: error: could not reach tracerl serve at {args.server} ({reason}); is "
+              "it running? (--server; --path changes a stopped server's folder)",
+              file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"tracerl: error: {args.server} answered something that is not JSON ({e})",
+              file=sys.stderr)
+        return 2
+    print(f"{args.model}: incumbent {answer.get('incumbent')}")
     return 0
 
 
@@ -284,14 +298,41 @@ def _args_report(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8765, help="--serve: port (0 picks a free one)")
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (a bad one exits 2 naming the option)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _temperature(text: str) -> float:
+    """An argparse type: a sampling temperature in [0, 2] (what the gateway accepts)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value <= 2.0:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 2], got {text}")
+    return value
+
+
 def _args_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", help="the model's folder, e.g. .tracerl/PROJECT/models/NAME")
     p.add_argument("--task", required=True, help="a task of the catalog (tracerl.tasks)")
     p.add_argument("--steps", default="base,latest",
                    help="comma-separated steps: numbers, 'base' and 'latest' (default: both)")
-    p.add_argument("--n", type=int, default=24, help="held-out items (default 24)")
-    p.add_argument("--samples", type=int, default=1, help="rollouts per item (default 1)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    p.add_argument("--n", type=_positive_int, default=24, help="held-out items (default 24)")
+    p.add_argument("--samples", type=_positive_int, default=1,
+                   help="rollouts per item (default 1)")
+    p.add_argument("--temperature", type=_temperature, default=0.0,
+                   help="in [0, 2]; 0 (default): greedy")
+    p.add_argument("--allow-failures", action="store_true",
+                   help="exit 0 even when rollouts failed (they count as rollout_errors); "
+                   "by default the first failure is printed and the exit status is 1")
     p.add_argument("--seed", type=int, default=0, help="which held-out items are drawn")
     p.add_argument("--engine", default="transformers", help="transformers (default), vllm, auto")
     p.add_argument("--no-log", action="store_true",

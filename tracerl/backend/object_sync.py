@@ -150,7 +150,9 @@ def pull(store: ModelStore, url: str, *, only_step: int | Literal["latest"] | No
     """Copy the model at ``url`` into ``store``'s folder. ``only_step`` (a step, or
     ``"latest"``) pulls that one checkpoint instead of all; ``exclude`` leaves out any of
     ``checkpoints``, ``logs``, ``trajectories``; ``delete`` removes local files (of what was
-    pulled) that are not at ``url``. A checkpoint already here is kept as it is."""
+    pulled) that are not at ``url``. A checkpoint already here is kept as it is. An empty
+    bucket or prefix copies nothing (logged), as ART's ``aws s3 sync``; a missing bucket is an
+    error naming it."""
     exclude = set(exclude)
     unknown = exclude - set(EXCLUDABLE)
     if unknown:
@@ -159,9 +161,13 @@ def pull(store: ModelStore, url: str, *, only_step: int | Literal["latest"] | No
             isinstance(only_step, bool) or not isinstance(only_step, int) or only_step < 1):
         raise ConfigError(f"only_step: {only_step!r} is neither a step (>= 1) nor 'latest'")
     fs, root = _filesystem(url, storage_options)
+    bucket = root.split("/", 1)[0]
+    if getattr(fs, "protocol", None) and "s3" in fs.protocol and not fs.exists(bucket):
+        raise ConfigError(f"s3_bucket: bucket {bucket!r} does not exist (nothing was pulled)")
     remote = _remote_files(fs, root)
-    if not remote:
-        raise ConfigError(f"nothing to pull: no objects under {url}")
+    if not remote:  # as ART's `aws s3 sync`: a fresh model starts from its base
+        log.info("nothing to pull: no objects under %s; %s keeps what it has", url, store.root)
+        return SyncResult()
     remote_steps = sorted({_checkpoint_step(r) for r in remote if _is_checkpoint_file(r)})
     steps: set[int] | None = None
     if only_step == "latest":

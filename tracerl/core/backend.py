@@ -24,7 +24,13 @@ from typing import Any, ClassVar, Literal
 
 from .art_compat import train_config_from_art_kwargs
 from .config import TrainConfig, TrainSFTConfig
-from .errors import ConfigError, InvalidTrajectoryError, TrainingError
+from .errors import (
+    ConfigError,
+    InvalidTrajectoryError,
+    StepsFailedError,
+    TracerlError,
+    TrainingError,
+)
 from .model_spec import ModelLike, ModelSpec, spec_of
 from .spans import Span
 from .trajectory import LLMCall, Trajectory, TrajectoryGroup, attach_scoped_calls
@@ -138,6 +144,17 @@ class Backend(ABC):
                 result = TrainResult(step=event.step, metrics=dict(event.metrics))
         return result
 
+    def check_groups(self, model: ModelLike, groups: list[TrajectoryGroup]) -> None:
+        """Raise :class:`InvalidTrajectoryError` naming the first row of ``groups`` that
+        ``model`` cannot train on (a token id outside its vocabulary, a reward beyond
+        ``±MAX_REWARD``, ...); nothing is queued or written. This default checks nothing (the
+        step does)."""
+        del model, groups
+
+    async def check_rows(self, model: ModelLike, groups: list[TrajectoryGroup]) -> None:
+        """:meth:`check_groups`, for a backend that must ask elsewhere (a remote server)."""
+        self.check_groups(model, groups)
+
     async def train_many(self, groups: Mapping[ModelLike, Iterable[TrajectoryGroup]],
                          config: TrainConfig | None = None) -> dict[ModelLike, TrainResult]:
         """One step of each model on its groups: ``await backend.train_many({planner:
@@ -145,7 +162,12 @@ class Backend(ABC):
         no step (so that ``{m: await backend.pending_groups(m) for m in models}`` after a crash
         trains each model's saved groups once). Returns each model's result, keyed as given.
         The local backend trains models that share a base in shared passes; this default trains
-        them one after another."""
+        them one after another.
+
+        Every model's rows are checked (:meth:`check_rows`) before any model trains: a model
+        whose rows it cannot train on takes no step and writes nothing, the healthy ones train,
+        then :class:`StepsFailedError` names each failed model and its field (``failed``) and
+        carries the trained models' results (``results``), so a retry trains only the failed."""
         config = config or TrainConfig()
         todo: dict[str, tuple[ModelLike, ModelSpec, list[TrajectoryGroup]]] = {}
         for model, model_groups in groups.items():
@@ -159,25 +181,53 @@ class Backend(ABC):
                         "TrajectoryGroup")
             if listed:
                 todo[spec.key] = (model, spec, listed)
+        failed = await self._refused_rows(todo)
         results: dict[ModelLike, TrainResult] = {}
         for _, _, listed in todo.values():
             await attach_scoped_calls(listed)
-        async for key, event in self.train_many_events(
-                [(spec, listed) for _, spec, listed in todo.values()], config):
-            model, spec, listed = todo[key]
-            for observer in _train_observers:
-                await observer(spec, event, listed, config)
-            if event.kind == "done":
-                results[model] = TrainResult(step=event.step, metrics=dict(event.metrics))
+        try:
+            async for key, event in self.train_many_events(
+                    [(spec, listed) for _, spec, listed in todo.values()], config):
+                model, spec, listed = todo[key]
+                for observer in _train_observers:
+                    await observer(spec, event, listed, config)
+                if event.kind == "done":
+                    results[model] = TrainResult(step=event.step, metrics=dict(event.metrics))
+        except StepsFailedError as e:
+            failed.update(e.failed)
+        if failed:
+            raise StepsFailedError(failed, results)
         return results
+
+    async def _refused_rows(self, todo: dict[str, tuple[ModelLike, ModelSpec,
+                                                          list[TrajectoryGroup]]]
+                            ) -> dict[str, BaseException]:
+        """Check every model's rows; the refused models leave ``todo``, their errors (naming
+        the model and the field) are returned."""
+        failed: dict[str, BaseException] = {}
+        for key, (_, spec, listed) in list(todo.items()):
+            try:
+                await self.check_rows(spec, listed)
+            except InvalidTrajectoryError as e:
+                failed[key] = InvalidTrajectoryError(f"train_many: model {key}: {e}")
+                del todo[key]
+        return failed
 
     async def train_many_events(self, groups: list[tuple[ModelSpec, list[TrajectoryGroup]]],
                                 config: TrainConfig) -> AsyncIterator[tuple[str, TrainEvent]]:
         """:meth:`train_many`'s events, each with its model's key (models one after another
-        here)."""
+        here; a model whose step fails does not stop the others: :class:`StepsFailedError` at
+        the end names it)."""
+        failed: dict[str, BaseException] = {}
         for spec, listed in groups:
-            async for event in self.train_events(spec, listed, config):
-                yield spec.key, event
+            try:
+                async for event in self.train_events(spec, listed, config):
+                    yield spec.key, event
+            except TracerlError as e:
+                log.warning("train_many: the step of %s failed: %s", spec.key, e)
+                failed[spec.key] = e
+        if failed:
+            raise StepsFailedError(failed)
 
     async def train_sft(self, model: ModelLike, trajectories: list[Trajectory],
                         config: TrainSFTConfig) -> TrainResult:

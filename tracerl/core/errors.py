@@ -165,13 +165,18 @@ class TrainConflictError(TrainingError, code="training_conflict", status=409):
 
 
 class StepsFailedError(TrainingError, code="some_steps_failed"):
-    """Some models of a multi-model step (``backend.train_many``) failed after the update
-    (their checkpoint or publish); the others finished. ``failed`` maps each failed model's
-    key to its error; its groups are on disk for ``backend.pending_groups(model)``."""
+    """Some models of a multi-model step (``backend.train_many``) failed; the others
+    finished. ``failed`` maps each failed model's key to its error: rows it cannot train on
+    (refused before any model trained: nothing written), or its checkpoint or publish after
+    the update (its groups are on disk for ``backend.pending_groups(model)``). ``results``
+    holds the finished models' results, keyed as given to ``train_many``."""
 
-    def __init__(self, failed: dict[str, BaseException]) -> None:
-        self.failed = failed
-        super().__init__("the step of " + "; ".join(
+    def __init__(self, failed: dict[str, BaseException] | str,
+                 results: dict[Any, Any] | None = None) -> None:
+        # a message alone: the error as a server answered it (exception_for)
+        self.failed = {} if isinstance(failed, str) else failed
+        self.results = dict(results or {})
+        super().__init__(failed if isinstance(failed, str) else "the step of " + "; ".join(
             f"{key} failed: {type(e).__name__}: {e}" for key, e in failed.items()))
 
 

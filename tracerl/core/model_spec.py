@@ -7,6 +7,8 @@ with this class before anything is written. Hooks receive it as their ``model`` 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -66,6 +68,16 @@ class ModelSpec(BaseModel):
             problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}"
                                  for err in e.errors())
             raise ConfigError(f"invalid model definition: {problems}") from None
+
+    @classmethod
+    def read(cls, path: Path) -> ModelSpec:
+        """The definition in the file ``path`` (a ``model.json``); a :class:`ConfigError`
+        naming the file when it is not JSON, not UTF-8 or not a valid definition."""
+        try:
+            return cls.from_definition(json.loads(path.read_text()))
+        except (ValueError, TypeError) as e:  # JSON, UTF-8, ConfigError (a ValueError)
+            raise ConfigError(f"{path} is not a readable model definition: "
+                              f"{type(e).__name__}: {str(e)[:300]}") from None
 
 
 class HasModelSpec(Protocol):

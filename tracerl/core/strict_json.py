@@ -36,6 +36,8 @@ def _is_text(value: str) -> bool:
 
 
 def _problem(value: Any) -> str | None:
+    if isinstance(value, _HugeInt):
+        return f"is an integer outside 64 bits ({len(value)} digits)"
     if isinstance(value, str):
         return None if _is_text(value) else "holds a lone surrogate (not valid Unicode)"
     if isinstance(value, float):
@@ -76,10 +78,26 @@ def loads(raw: bytes | str, name: str | None = None) -> Any:
         nonfinite = nonfinite or not math.isfinite(value)
         return value
 
-    value = json.loads(raw, parse_constant=parse_float, parse_float=parse_float)
+    try:
+        value = json.loads(raw, parse_constant=parse_float, parse_float=parse_float)
+    except ValueError:
+        if not _suspect(raw):
+            raise
+        # an integer past Python's digit limit stops the parse: parse again, keeping such a
+        # number as a marker, so the refusal names its field (``reward``), not the body
+        value = json.loads(raw, parse_constant=parse_float, parse_float=parse_float,
+                           parse_int=_parse_int)
     if nonfinite or _suspect(raw):
         check_recordable(value, name)
     return value
+
+
+class _HugeInt(str):
+    """An integer literal too long to convert (the marker :func:`loads` refuses by field)."""
+
+
+def _parse_int(text: str) -> int | _HugeInt:
+    return _HugeInt(text) if len(text) > 4000 else int(text)
 
 
 def _suspect(raw: bytes | str) -> bool:

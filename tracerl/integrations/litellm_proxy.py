@@ -75,6 +75,24 @@ def _announce(tags, span_id):
     return json.dumps({{**parsed, {POSTED_SPAN_TAG!r}: span_id}}, separators=(",", ":"))
 
 
+def _metadata_key(data, call_type):
+    """Where LiteLLM keeps a call's own metadata: ``litellm_metadata`` on the routes whose API
+    has a ``metadata`` parameter of its own (Responses, Anthropic Messages, ...), else
+    ``metadata``; a span id kept elsewhere never reaches the success event."""
+    if "litellm_metadata" in data or "responses" in str(call_type) or "anthropic" in str(call_type):
+        return "litellm_metadata"
+    return "metadata"
+
+
+def _our_metadata(kwargs, params):
+    """The metadata holding the rollout and span ids, wherever the call type kept it."""
+    for found in (params.get("metadata"), params.get("litellm_metadata"),
+                  kwargs.get("litellm_metadata"), kwargs.get("metadata")):
+        if isinstance(found, dict) and ROLLOUT_KEY in found:
+            return found
+    return {{}}
+
+
 def _seconds(t):
     return t.timestamp() if hasattr(t, "timestamp") else float(t)
 
@@ -93,8 +111,9 @@ class TracerlProxyCallback(CustomLogger):
             span_id = "litellm-" + uuid.uuid4().hex
             forward[{TAGS_HEADER!r}] = _announce(forward.get({TAGS_HEADER!r}), span_id)
             data["extra_headers"] = {{**data["extra_headers"], **forward}}
-            data["metadata"] = {{**(data.get("metadata") or {{}}),
-                                ROLLOUT_KEY: forward[{ROLLOUT_HEADER!r}], SPAN_KEY: span_id}}
+            key = _metadata_key(data, call_type)
+            data[key] = {{**(data.get(key) or {{}}),
+                         ROLLOUT_KEY: forward[{ROLLOUT_HEADER!r}], SPAN_KEY: span_id}}
         return data
 
     async def async_log_success_event(self, kwargs, response_obj, start_time, end_time):
@@ -107,12 +126,12 @@ class TracerlProxyCallback(CustomLogger):
     async def _post_span(self, kwargs, response_obj, start_time, end_time, error):
         try:
             params = kwargs.get("litellm_params") or {{}}
-            rollout = (params.get("metadata") or {{}}).get(ROLLOUT_KEY)
+            metadata = _our_metadata(kwargs, params)
+            rollout = metadata.get(ROLLOUT_KEY)
             api_base = params.get("api_base") or kwargs.get("api_base")
             if not rollout or not api_base:
                 return
             call_id = str(kwargs.get("litellm_call_id") or uuid.uuid4().hex)
-            metadata = params.get("metadata") or {{}}
             model = str(metadata.get("model_group") or kwargs.get("model") or "")
             span = {{"id": str(metadata.get(SPAN_KEY) or "litellm-" + call_id), "kind": "llm",
                     "name": model, "framework": "litellm-proxy", "start_time": _seconds(start_time),

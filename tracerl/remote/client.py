@@ -267,6 +267,13 @@ class RemoteBackend(Backend):
         return (await self._call("GET", self._model_path(model), model=model,
                                  keys=("step",)))["step"]
 
+    async def check_rows(self, model: ModelLike, groups: list[TrajectoryGroup]) -> None:
+        """The server's checks of ``groups`` against ``model`` (its ``/check`` route: a 400
+        naming the row raises :class:`InvalidTrajectoryError`); nothing is queued."""
+        body, headers = self._upload({}, groups)
+        await self._call("POST", self._model_path(model) + "/check", model=model,
+                         content=body, headers=headers)
+
     async def train_events(self, model: ModelLike, groups: list[TrajectoryGroup],
                            config: TrainConfig) -> AsyncIterator[TrainEvent]:
         request_id = "train-" + uuid.uuid4().hex

@@ -134,8 +134,13 @@ class ControlServer:
         for definition_path in sorted(Path(base_path).glob("*/models/*/model.json")):
             key = "/".join(definition_path.parts[-4:-1:2])  # PROJECT/models/NAME
             try:
-                spec = await self._add(
-                    ModelSpec.from_definition(json.loads(definition_path.read_text())))
+                definition = ModelSpec.read(definition_path)
+            except ConfigError as e:
+                logger.error("model %s is not served: %s", key, e)
+                self.restore_errors[key] = str(e)
+                continue
+            try:
+                spec = await self._add(definition)
             except Exception as e:
                 logger.exception("model %s is not served: %s", key, e)
                 self.restore_errors[key] = f"{type(e).__name__}: {e}"
@@ -235,6 +240,17 @@ async def train(project: str, name: str, control: Control, request: Request
     control.backend.check_groups(model, groups)  # rows against the model, before queueing
     job = control.queue.submit(model, params.get("request_id"), groups, config)
     return StreamingResponse(_ndjson(control.queue.events(job)), media_type=NDJSON)
+
+
+@router.post(MODEL_PATH + "/check")
+async def check(project: str, name: str, control: Control, request: Request) -> dict[str, int]:
+    """The train route's checks of an upload's rows, nothing queued or written (a 400 naming
+    the row, as the train route answers): ``RemoteBackend.train_many`` checks every model's
+    rows before any model trains."""
+    model = control.model(project, name)
+    _, groups = decode_groups(await read_limited_body(request, control.max_upload_bytes))
+    control.backend.check_groups(model, groups)
+    return {"checked": len(groups)}
 
 
 @router.post(MODEL_PATH + "/log")

@@ -216,14 +216,14 @@ class Model:
                   step: int | None = None) -> dict[str, float]:
         """Save trajectories and/or metrics at ``step`` (default: the current one) under
         ``split``, and send them to the loggers (ART 0.5's signature). Returns what was logged:
-        the groups' summary (reward, metrics, group metrics, counts) and ``metrics``."""
+        the groups' summary (reward, metrics, group metrics, counts) and ``metrics``. No
+        trajectories (``None`` or ``[]``, as when a judge dropped every group) log only the
+        metrics, as in ART."""
         validate_name("split", split)
         groups = _as_groups(trajectories) if trajectories is not None else []
-        if trajectories is not None and not groups:
-            raise InvalidTrajectoryError("model.log got an empty list of trajectories; pass "
-                                         "trajectories, groups, or only metrics=")
-        if trajectories is None and metrics is None:
-            raise InvalidTrajectoryError("model.log needs trajectories, metrics=, or both")
+        if not groups and metrics is None:
+            raise InvalidTrajectoryError("model.log needs trajectories, metrics=, or both (it "
+                                         "got no trajectories and no metrics)")
         check_history_metrics(metrics or {})
         if step is None:
             step = await self.get_step()

@@ -421,4 +421,7 @@ class _LiteLLMClient:
         self.completions = self
 
     async def create(self, **kwargs: Any) -> Any:
-        return await self._litellm.acompletion(**{**kwargs, **self._extra})
+        """``litellm.acompletion`` sending only the parameters the judge model accepts: LiteLLM
+        drops the others (``drop_params``; ART's judges ``openai/o3`` and ``o4-mini`` take no
+        ``temperature`` but 1). ``extra_litellm_params`` may set ``drop_params`` itself."""
+        return await self._litellm.acompletion(**{"drop_params": True, **kwargs, **self._extra})

@@ -3,12 +3,12 @@ by side, each logged as ``val`` at its step."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from ..core.errors import ConfigError
+from ..core.errors import ConfigError, TooManyExceptionsError
 from ..core.model_spec import ModelSpec
+from ..core.trajectory import RolloutException
 from .catalog import get_task
 from .runner import evaluate
 
@@ -40,8 +40,7 @@ def read_spec(model_dir: Path) -> tuple[Path, ModelSpec]:
     definition = model_dir / "model.json"
     if not definition.is_file():
         raise ConfigError(f"{model_dir} is not a model folder (no model.json)")
-    spec = ModelSpec.from_definition(json.loads(definition.read_text()))
-    return model_dir.parent.parent.parent, spec
+    return model_dir.parent.parent.parent, ModelSpec.read(definition)
 
 
 def table(results: dict[int, dict[str, float]]) -> str:
@@ -58,9 +57,11 @@ def table(results: dict[int, dict[str, float]]) -> str:
 
 
 async def eval_steps(model_dir: Path, task_name: str, steps: str, *, n: int, samples: int,
-                     temperature: float, seed: int, engine: str, log: bool
-                     ) -> dict[int, dict[str, float]]:
-    """Evaluate each of ``steps`` of the model in ``model_dir`` on ``task_name``."""
+                     temperature: float, seed: int, engine: str, log: bool,
+                     allow_failures: bool = False) -> dict[int, dict[str, float]]:
+    """Evaluate each of ``steps`` of the model in ``model_dir`` on ``task_name``; raises
+    :class:`TooManyExceptionsError` naming the first failed rollout unless ``allow_failures``
+    (then failures only count, as ``rollout_errors``)."""
     from ..backend.local import LocalBackend
     from ..rollout.model import TrainableModel
 
@@ -80,10 +81,18 @@ async def eval_steps(model_dir: Path, task_name: str, steps: str, *, n: int, sam
                 raise ConfigError(f"--steps: step {step} is beyond the model's newest ({latest})")
             if step != 0:
                 await backend.serve_step(model, step)
+            failures: list[RolloutException] = []
             results[step] = await evaluate(
                 task, model, n=n, samples=samples, temperature=temperature, seed=seed,
-                step=step, log_to_model=log, desc=f"{task.name} held-out, "
+                step=step, log_to_model=log, failures=failures, desc=f"{task.name} held-out, "
                 + ("base" if step == 0 else f"step {step}"))
+            if failures and not allow_failures:
+                first = failures[0]
+                raise TooManyExceptionsError(
+                    f"{len(failures)} of {n * samples} rollouts of "
+                    f"{'the base' if step == 0 else f'step {step}'} failed; the first: "
+                    f"{first.type}: {first.message[:500]} (--allow-failures: report them as "
+                    "rollout_errors and exit 0)")
     finally:
         await backend.close()
     return results

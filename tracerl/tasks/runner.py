@@ -44,11 +44,13 @@ def _with_usage(groups: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
 
 async def evaluate(task: Task, model: Any, *, n: int = 24, samples: int = 1,
                    temperature: float = 0.0, step: int | None = None, seed: int = 0,
-                   log_to_model: bool = True, desc: str | None = None) -> dict[str, float]:
+                   log_to_model: bool = True, desc: str | None = None,
+                   failures: list[RolloutException] | None = None) -> dict[str, float]:
     """Play ``n`` held-out items ``samples`` times each with the model at ``step`` (``None``:
     the newest; ``0``: the base model) and return the ``val`` summary: reward,
     ``metrics/success``, tool-call validity, turns, tokens and seconds (means over rollouts).
-    Logged at that step when ``log_to_model``."""
+    Logged at that step when ``log_to_model``. The failed rollouts are counted
+    (``rollout_errors``) and appended to ``failures`` when it is given."""
     if n < 1 or samples < 1:
         raise ValueError(f"evaluate needs n >= 1 and samples >= 1 (got n={n}, samples={samples})")
     items = task.items("test", n, seed=seed)
@@ -61,6 +63,8 @@ async def evaluate(task: Task, model: Any, *, n: int = 24, samples: int = 1,
     _with_usage(groups)
     played = [t for g in groups for t in g.trajectories]
     failed = sum(len(g.exceptions) for g in groups)
+    if failures is not None:
+        failures.extend(e for g in groups for e in g.exceptions)
     extra = {"wall_seconds": time.perf_counter() - started,
              "rollout_errors": float(failed) / max(n * samples, 1)}
     if log_to_model and played:

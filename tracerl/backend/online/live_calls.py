@@ -361,8 +361,8 @@ async def post_feedback(request: Request, response_id: str) -> Any:
         raw = await read_limited_body(request, MAX_BODY_BYTES)
         try:
             body = parse_json_object(raw or b"{}")
-        except RequestError as e:
-            raise invalid("body", str(e)) from None
+        except RequestError as e:  # a field that cannot be recorded keeps its name
+            raise (e if e.param else invalid("body", str(e))) from None
         reward, metrics = _feedback(body)
         _valid_id(response_id)
         call = await asyncio.to_thread(live.feedback, response_id, reward, metrics)
