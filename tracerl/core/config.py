@@ -58,6 +58,24 @@ class TrainConfig(_Strict):
     scale_rewards: bool = Field(True, description="divide advantages by the group's reward std "
                                 "(GRPO); off (Dr. GRPO) when groups with little spread in reward "
                                 "should not weigh as much as the others")
+    credit: Literal["rollout", "turn"] = Field(
+        "rollout", description="'rollout': every trained token of a rollout gets its "
+        "rollout's advantage in its group (GRPO); 'turn': each turn (answered call) gets that "
+        "plus turn_weight times a step-level advantage, its discounted return against the "
+        "returns of the group's turns in the same state (GiGPO, docs/training.md): for "
+        "multi-turn agents whose rollouts revisit states, or that give per-turn rewards "
+        "(metadata['turn_rewards'])")
+    turn_weight: float = Field(
+        1.0, ge=0, description="credit='turn': the step-level advantage's weight against the "
+        "rollout's (GiGPO's w; 0 gives per-rollout credit back)")
+    turn_discount: float = Field(
+        0.95, ge=0, le=1, description="credit='turn': gamma of a turn's return, sum over later "
+        "turns k of gamma^(k-t) times turn k's reward (GiGPO's 0.95); 1: later turns count fully")
+    turn_state: Literal["prompt", "observation", "position"] = Field(
+        "prompt", description="credit='turn': which turns share a state and are compared: "
+        "'prompt': the same prompt tokens (the same history so far), 'observation': the same "
+        "messages since the last assistant message (GiGPO's anchor state), 'position': the "
+        "same turn number; metadata['turn_states'] (one string per turn) overrides it")
     loss_normalization: Literal["token", "sequence"] = Field(
         "token", description="'token': the loss is the mean over every trained token of the "
         "step (long answers weigh more, DAPO's choice); 'sequence': the mean over rows, each "

@@ -3,6 +3,8 @@
 In flow order:
 - ``rows.py``: training rows from the gateway's token records (rendered only without them).
 - ``advantages.py``: group-relative advantages.
+- ``credit.py``: per-turn credit (GiGPO): each turn's advantage from the group's turns that
+  share its state.
 - ``loss.py``: the clipped policy loss, token logprobs, KL (tested against TRL).
 - ``health.py``: step health (skipped groups, prefix/template mismatches, engine KL, ...)
   and the warnings that name its cause and fix.

@@ -394,14 +394,18 @@ def token_logprobs_path(root: Any, step: int) -> Any:
 
 def write_token_logprobs(store: ModelStore, step: int, rows: Iterable[Any]) -> None:
     """Per trained row: its group, trajectory, and the engine's and trainer's logprobs of its
-    trained tokens (what the viewer shows per token)."""
+    trained tokens (what the viewer shows per token); with per-turn credit their advantages."""
     import json
 
     lines = []
     for row in rows:
         engine = [lp for lp, m in zip(row.old_logprobs, row.loss_mask, strict=True) if m]
-        lines.append(json.dumps({"group": row.group, "trajectory": row.trajectory,
-                                 "engine": engine, "trainer": row.trainer_logprobs or []}))
+        line = {"group": row.group, "trajectory": row.trajectory,
+                "engine": engine, "trainer": row.trainer_logprobs or []}
+        if row.advantages is not None:  # per-turn credit: each trained token's advantage
+            line["advantages"] = [a for a, m in zip(row.advantages, row.loss_mask,
+                                                    strict=True) if m]
+        lines.append(json.dumps(line))
     path = token_logprobs_path(store.root, step)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, "".join(line + "\n" for line in lines))

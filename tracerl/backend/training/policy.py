@@ -172,6 +172,12 @@ class Policy(Rendering):
 
         ids = padded([r.input_ids for r in batch], pad, np.int64)
         old = padded([r.old_logprobs for r in batch], 0.0, np.float32)[:, start:]
+        if any(r.advantages is not None for r in batch):  # per-turn credit: [B, L]
+            adv = padded([r.advantages if r.advantages is not None else [r.advantage] * len(r)
+                          for r in batch], 0.0, np.float32)[:, start:]
+        else:  # one per row: [B]
+            adv = torch.tensor([r.advantage for r in batch], dtype=torch.float32,
+                               device=self.device)
         return {
             "input_ids": ids,
             "attention_mask": padded([[1] * len(r) for r in batch], 0, np.int64),
@@ -181,9 +187,7 @@ class Policy(Rendering):
             # prompt positions hold NaN (no logprob); zero them, as NaN * 0 would poison the sum
             "old": torch.nan_to_num(old, nan=0.0),
             "temps": padded([r.temperatures for r in batch], 1.0, np.float32)[:, start:],
-            "adv": torch.tensor(
-                [r.advantage for r in batch], dtype=torch.float32, device=self.device
-            ),
+            "adv": adv,
         }
 
     def logits(self, t: dict[str, torch.Tensor]) -> torch.Tensor:

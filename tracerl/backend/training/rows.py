@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +20,7 @@ from openai.types.chat.chat_completion import Choice
 
 from ...core.errors import InvalidTrajectoryError
 from ...core.trajectory import MAX_REWARD, Conversation, LLMCall, TrajectoryGroup, is_greedy
+from .credit import GroupCredit, check_turn_metadata
 
 NAN = float("nan")
 
@@ -33,6 +34,9 @@ class Row:
     old_logprobs: list[float]   # per token; NaN where unknown (then recomputed on-policy)
     temperatures: list[float]   # per token, the temperature it was sampled at
     advantage: float = 0.0
+    # per token (per-turn credit): each trained token's advantage, 0 elsewhere; None: every
+    # token has ``advantage``
+    advantages: list[float] | None = None
     group: int = 0
     trajectory: int = 0         # index within its group
     rendered: bool = False
@@ -53,6 +57,8 @@ class Row:
         """Keep the first ``length`` tokens (a row longer than a micro-batch)."""
         for name in ("input_ids", "loss_mask", "old_logprobs", "temperatures"):
             setattr(self, name, getattr(self, name)[:length])
+        if self.advantages is not None:
+            self.advantages = self.advantages[:length]
 
 
 @dataclass
@@ -73,6 +79,21 @@ class RowStats:
     rendered_rows: int = 0
     empty_trajectories: int = 0
     truncated_rows: int = 0
+    # per-turn credit (None without it, so no metric): turns, states that several turns share
+    # (GiGPO's step groups), turns in those, and the mean |turn_weight * A_step| of a turn
+    turns: int | None = None
+    step_groups: int | None = None
+    grouped_turns: int | None = None
+    step_advantage_abs: float | None = None
+
+    def add_credit(self, credit: GroupCredit) -> None:
+        """Count a group's turns and step groups (per-turn credit)."""
+        before = self.turns or 0
+        total = (self.step_advantage_abs or 0.0) * before + sum(map(abs, credit.step_advantages))
+        self.turns = before + credit.n_turns
+        self.step_groups = (self.step_groups or 0) + credit.step_groups
+        self.grouped_turns = (self.grouped_turns or 0) + credit.grouped_turns
+        self.step_advantage_abs = total / self.turns if self.turns else 0.0
 
     def as_metrics(self) -> dict[str, float]:
         return {name: float(value) for name, value in dataclasses.asdict(self).items()
@@ -99,7 +120,7 @@ def _temperature(call: LLMCall) -> float:
     return 1.0 if is_greedy(call.temperature) else call.temperature
 
 
-def _start_row(call: LLMCall, completion_index: int) -> Row:
+def _start_row(call: LLMCall, completion_index: int, advantage: float | None) -> Row:
     comp = call.completions[completion_index]
     n_prompt, n_comp = len(call.prompt_token_ids), len(comp.token_ids)
     logprobs = comp.logprobs if comp.logprobs is not None else [NAN] * n_comp
@@ -109,10 +130,11 @@ def _start_row(call: LLMCall, completion_index: int) -> Row:
         loss_mask=[False] * n_prompt + [True] * n_comp,
         old_logprobs=[NAN] * n_prompt + list(logprobs),
         temperatures=[t] * (n_prompt + n_comp),
+        advantages=None if advantage is None else [0.0] * n_prompt + [advantage] * n_comp,
     )
 
 
-def _extend_row(row: Row, call: LLMCall) -> None:
+def _extend_row(row: Row, call: LLMCall, advantage: float | None) -> None:
     """Append the new part of ``call``'s prompt and its first completion to ``row``."""
     comp = call.completions[0]
     extra = call.prompt_token_ids[len(row.input_ids):]
@@ -122,6 +144,8 @@ def _extend_row(row: Row, call: LLMCall) -> None:
     row.loss_mask += [False] * len(extra) + [True] * len(comp.token_ids)
     row.old_logprobs += [NAN] * len(extra) + list(logprobs)
     row.temperatures += [t] * (len(extra) + len(comp.token_ids))
+    if row.advantages is not None and advantage is not None:
+        row.advantages += [0.0] * len(extra) + [advantage] * len(comp.token_ids)
 
 
 def _continued(rows: list[Row], prompt: list[int]) -> Row | None:
@@ -133,23 +157,27 @@ def _continued(rows: list[Row], prompt: list[int]) -> Row | None:
     return None
 
 
-def rows_from_calls(calls: list[LLMCall], stats: RowStats) -> list[Row]:
-    """Rows of one trajectory from its recorded calls (merging exact-prefix continuations)."""
+def rows_from_calls(calls: list[LLMCall], stats: RowStats,
+                    turn_advantages: Mapping[str, float] | None = None) -> list[Row]:
+    """Rows of one trajectory from its recorded calls (merging exact-prefix continuations);
+    with ``turn_advantages`` (call id -> advantage: per-turn credit) each row carries its
+    tokens' advantages, those of the call that sampled them."""
     rows: list[Row] = []
     for call in sorted(calls, key=lambda c: c.created_at):
         if call.error or not call.completions or not call.prompt_token_ids:
             continue
+        adv = None if turn_advantages is None else turn_advantages.get(call.id, 0.0)
         if len(call.completions) > 1:  # n > 1: every sample is its own row
-            rows.extend(_start_row(call, i) for i in range(len(call.completions)))
+            rows.extend(_start_row(call, i, adv) for i in range(len(call.completions)))
             continue
         row = _continued(rows, call.prompt_token_ids)
         if row is not None:
-            _extend_row(row, call)
+            _extend_row(row, call, adv)
             stats.merged_calls += 1
             continue
         if rows:
             stats.mismatch(call)
-        rows.append(_start_row(call, 0))
+        rows.append(_start_row(call, 0, adv))
     return rows
 
 
@@ -220,7 +248,8 @@ def check_token_records(groups: list[TrajectoryGroup], vocab_size: int, context:
     (the embedding would index past its end), ids and logprobs of different lengths, or a call
     whose prompt and completion are longer than ``context`` tokens (the served context length:
     the engine cannot have sampled it), a reward beyond ``±MAX_REWARD`` (its group's mean and
-    variance would overflow). Run before a step queues or writes anything."""
+    variance would overflow), ``metadata["turn_rewards"]`` / ``["turn_states"]`` that are not
+    one number / string per turn (:mod:`.credit`). Run before a step queues or writes anything."""
     for g, group in enumerate(groups):
         for t, trajectory in enumerate(group.trajectories):
             where = f"groups[{g}].trajectories[{t}]"
@@ -228,6 +257,7 @@ def check_token_records(groups: list[TrajectoryGroup], vocab_size: int, context:
                 raise InvalidTrajectoryError(
                     f"{where}.reward: {trajectory.reward!r} is beyond ±{MAX_REWARD:g}: rewards "
                     "that large overflow the group's mean and variance; scale them down")
+            check_turn_metadata(trajectory, where)
             _check_choices(where, trajectory.messages_and_choices, vocab_size)
             for h, history in enumerate(trajectory.additional_histories):
                 _check_choices(f"{where}.additional_histories[{h}]",

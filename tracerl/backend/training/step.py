@@ -29,10 +29,10 @@ from ...core.storage import (
     atomic_write_text,
     read_jsonl,
 )
-from ...core.trajectory import TrajectoryGroup, group_lines, write_groups_jsonl
+from ...core.trajectory import Trajectory, TrajectoryGroup, group_lines, write_groups_jsonl
 from ...core.watchdog import watch
 from . import health
-from .advantages import group_advantages
+from .credit import group_credit
 from .rows import Row, RowStats, rows_from_calls, rows_from_messages
 
 if TYPE_CHECKING:
@@ -213,32 +213,22 @@ def step_rows(policy: Policy, groups: list[TrajectoryGroup], config: TrainConfig
 def rows_with_advantages(policy: Policy, groups: list[TrajectoryGroup], config: TrainConfig,
                          refused: Collection[str] = ()) -> tuple[list[Row], RowStats, int]:
     """Token-exact rows of every trajectory (rendered only where there are no token records),
-    each carrying its trajectory's advantage within its group. Groups whose rewards are all
-    equal carry no signal and are skipped (counted). Calls in ``refused`` give no rows (nor
+    each carrying its trajectory's advantage within its group, and with per-turn credit
+    (``config.credit="turn"``, :mod:`.credit`) each token its turn's. Groups whose advantages
+    are all 0 carry no signal and are skipped (counted). Calls in ``refused`` give no rows (nor
     does re-rendering their text: it was sampled by other weights)."""
     stats, rows, skipped_groups = RowStats(), [], 0
     for gi, group in enumerate(groups):
-        if len(group.trajectories) < 2:
+        credit = group_credit(group, config, f"groups[{gi}]")
+        if config.credit == "turn":
+            stats.add_credit(credit)
+        if credit.skipped:
             skipped_groups += 1
             continue
-        adv = group_advantages([t.reward for t in group.trajectories], config.scale_rewards)
-        if adv.skipped:
-            skipped_groups += 1
-            continue
-        for ti, (trajectory, advantage) in enumerate(
-                zip(group.trajectories, adv.advantages, strict=True)):
-            calls = [c for c in trajectory.llm_calls if c.id not in refused]
-            traj_rows = rows_from_calls(calls, stats) if calls else []
-            if not traj_rows and len(calls) == len(trajectory.llm_calls):
-                # no token records: render the main and additional histories
-                traj_rows = [row for conversation in (trajectory, *trajectory.additional_histories)
-                             for row in rows_from_messages(conversation, policy.render,
-                                                           policy.tokenize, policy.eos_token_id)]
-                stats.rendered_rows += len(traj_rows)
-            if not traj_rows:
-                stats.empty_trajectories += 1
-            for row in traj_rows:
-                row.advantage, row.group, row.trajectory = advantage, gi, ti
+        for ti, trajectory in enumerate(group.trajectories):
+            turns = credit.turns[ti] if credit.turns is not None else None
+            for row in trajectory_rows(policy, trajectory, stats, refused, turns):
+                row.advantage, row.group, row.trajectory = credit.episode[ti], gi, ti
                 if len(row) > config.micro_batch_tokens:
                     row.truncate(config.micro_batch_tokens)
                     stats.truncated_rows += 1
@@ -246,3 +236,20 @@ def rows_with_advantages(policy: Policy, groups: list[TrajectoryGroup], config: 
                     rows.append(row)
     stats.rows = len(rows)
     return rows, stats, skipped_groups
+
+
+def trajectory_rows(policy: Policy, trajectory: Trajectory, stats: RowStats,
+                    refused: Collection[str], turns: dict[str, float] | None) -> list[Row]:
+    """A trajectory's rows from its token records (``turns``: each call's advantage, per-turn
+    credit), else rendered from its main and additional histories (one advantage per row)."""
+    calls = [c for c in trajectory.llm_calls if c.id not in refused]
+    traj_rows = rows_from_calls(calls, stats, turns) if calls else []
+    if not traj_rows and len(calls) == len(trajectory.llm_calls):
+        # no token records: render the main and additional histories
+        traj_rows = [row for conversation in (trajectory, *trajectory.additional_histories)
+                     for row in rows_from_messages(conversation, policy.render,
+                                                   policy.tokenize, policy.eos_token_id)]
+        stats.rendered_rows += len(traj_rows)
+    if not traj_rows:
+        stats.empty_trajectories += 1
+    return traj_rows
