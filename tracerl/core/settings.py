@@ -292,6 +292,9 @@ LITELLM_MASTER_KEY = _optional_text(
 BACKUP_BUCKET = _optional_text(
     OTHERS, "ART's default bucket of backend._experimental_push_to_s3 / _pull_from_s3 when "
     "no s3_bucket is given")
+OPENROUTER_API_KEY = _optional_text(
+    OTHERS, "the key of tracerl.mcp.generate_scenarios's generator (OpenRouter by default) when "
+    "no generator_api_key is given, as in ART")
 
 # every variable above, by name
 SETTINGS: dict[str, Setting[Any]] = _named(globals())

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from typing import Any
 
+from ..core import settings
 from ..core.errors import ConfigError
 from .types import GeneratedScenarioCollection, MCPResource, MCPTool
 
@@ -89,7 +89,7 @@ async def generate_scenarios(
     from openai import AsyncOpenAI
 
     started = time.perf_counter()
-    api_key = generator_api_key or os.getenv("OPENROUTER_API_KEY")
+    api_key = generator_api_key or settings.OPENROUTER_API_KEY.get()
     if not api_key:
         raise ConfigError("generator_api_key is required or OPENROUTER_API_KEY env var must be set")
     if not tools and not resources:
