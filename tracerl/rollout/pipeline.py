@@ -206,6 +206,7 @@ class RolloutPipeline(Generic[ScenarioT, ConfigT]):
         self._train_s: deque[float] = deque(maxlen=PACE_WINDOW)
         self._changed_at = 0.0
         self.stopped = asyncio.Event()  # set once steps() has ended and its rollouts stopped
+        self.cancelled_groups = 0  # groups in flight that steps() cancelled as it ended
 
     @staticmethod
     def _now() -> float:
@@ -439,7 +440,7 @@ class RolloutPipeline(Generic[ScenarioT, ConfigT]):
         """:meth:`steps` ended: cancel the rollouts in flight and wait (up to
         :data:`STOP_TIMEOUT_S`) until they have unwound, close the scenario iterator made here,
         log what was left, and set :attr:`stopped`."""
-        running = sum(self._running.values())
+        self.cancelled_groups = running = sum(self._running.values())
         for w in workers:
             w.cancel()
         if workers:
