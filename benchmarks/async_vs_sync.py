@@ -23,14 +23,26 @@ rollout, seconds per group) of the kept and the dropped ones; ``--skip-sync`` le
 synchronous side out (the ratio is then admit over drop). A slow kind among fast ones
 (``--env-s 0 0 8``) is the workload where dropping starves the slow rollouts.
 
+``--adapter-steps-only`` times only the ``--steps`` steps that come after the first
+``--bound + 1`` steps of each side (which run untimed before them): at bound b the async side's
+first b + 1 steps train on groups sampled by policy 0, the base model, which vLLM serves without
+LoRA, while the sync side samples through its adapter from step 2 on; after them both sides
+sample only through adapters (each side's line says how many of its timed calls the base model
+served: ``base_calls_timed``, 0 then). When the async side's ``steps(max_steps=...)`` ends, its
+rollouts still in flight are cancelled, in the engine too (``cancelled_groups``), so that the
+next side starts on an idle server.
+
     PYTHONPATH=. .venv/bin/python benchmarks/async_vs_sync.py --steps 4 --groups 2 --group-size 2
     PYTHONPATH=. .venv/bin/python benchmarks/async_vs_sync.py --task numbers --steps 8 \
         --groups 4 --group-size 6 --bound 2 --repeats 2
     PYTHONPATH=. .venv/bin/python benchmarks/async_vs_sync.py --steps 8 --groups 2 \
         --group-size 2 --bound 1 --lengths 4 32 --env-s 0 0 8 --staleness drop admit --skip-sync
+    PYTHONPATH=. .venv/bin/python benchmarks/async_vs_sync.py --random-init tiny-llama \
+        --steps 1 --groups 1 --group-size 2 --bound 1 --lengths 4 8 --env-s 0 --adapter-steps-only
     # on a GPU (vLLM and the trainer sharing it), a random-initialised 1.5B shape:
     python benchmarks/async_vs_sync.py --engine vllm --random-init qwen2.5-1.5b \
-        --gpu-memory-utilization 0.5 --lengths 64 256 1024 --env-s 0 1 --bound 2
+        --gpu-memory-utilization 0.5 --lengths 64 256 1024 --env-s 0 1 --bound 2 \
+        --adapter-steps-only
 """
 
 from __future__ import annotations
@@ -80,20 +92,33 @@ def numbers_rollout(group_size: int):
 
 
 class Schedule:
-    """Each step's train config, and the held-out evaluations (their time kept apart)."""
+    """Each step's train config, the held-out evaluations (their time kept apart), and the
+    clock: the first ``untimed`` steps (``--adapter-steps-only``) run before it starts."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args, self.curve, self.eval_s = args, [], 0.0
         self.held_out = demo.scenarios(seed=12345, n=24) if args.task == "numbers" else None
+        self.untimed = args.bound + 1 if args.adapter_steps_only else 0
+        self.last = self.untimed + args.steps
+        self._started, self._eval_s_then = 0.0, 0.0
 
     def config(self, step: int) -> tracerl.TrainConfig:
         if self.held_out is None:
             return tracerl.TrainConfig(learning_rate=1e-5)
-        return tracerl.TrainConfig(learning_rate=demo.cosine(step, self.args.steps, 2e-3, 5e-4))
+        return tracerl.TrainConfig(learning_rate=demo.cosine(step, self.last, 2e-3, 5e-4))
+
+    def trained(self, step: int) -> None:
+        """``step`` steps are done (0: none yet): the clock starts after the untimed ones."""
+        if step == self.untimed:
+            self._started, self._eval_s_then = time.perf_counter(), self.eval_s
+
+    def seconds(self) -> float:
+        """Seconds since the clock started, less the evaluations meanwhile."""
+        return time.perf_counter() - self._started - (self.eval_s - self._eval_s_then)
 
     async def after(self, model, step: int) -> None:
         """Evaluate at step 0, every ``--eval-every`` steps and at the last step."""
-        if self.held_out is None or (step % self.args.eval_every and step != self.args.steps):
+        if self.held_out is None or (step % self.args.eval_every and step != self.last):
             return
         started = time.perf_counter()
         result = await demo.evaluate(model, self.held_out, f"held-out after {step}")
@@ -101,16 +126,25 @@ class Schedule:
         self.eval_s += time.perf_counter() - started
 
 
-async def run_sync(model, rollout, scenarios, groups: int, steps: int,
-                   schedule: Schedule) -> float:
+def base_calls(groups: list) -> int:
+    """Calls among ``groups`` that the base model served (no adapter yet)."""
+    return sum(not c.adapter_step for g in groups for t in g.trajectories for c in t.llm_calls)
+
+
+async def run_sync(model, rollout, scenarios, groups: int, schedule: Schedule
+                   ) -> tuple[float, dict]:
     await schedule.after(model, 0)
-    started = time.perf_counter()
-    for step in range(steps):
+    schedule.trained(0)
+    base = 0
+    for step in range(schedule.last):
         batch = scenarios[step * groups:(step + 1) * groups]
         trained = await asyncio.gather(*(rollout(model, s, None) for s in batch))
+        if step >= schedule.untimed:
+            base += base_calls(trained)
         await model.train(trained, schedule.config(step + 1))
         await schedule.after(model, step + 1)
-    return time.perf_counter() - started - schedule.eval_s
+        schedule.trained(step + 1)
+    return schedule.seconds(), {"base_calls_timed": base}
 
 
 def kept_and_dropped(trained: list) -> dict[str, float]:
@@ -128,19 +162,26 @@ def kept_and_dropped(trained: list) -> dict[str, float]:
     return out
 
 
-async def run_async(model, rollout, scenarios, groups: int, steps: int, bound: int,
+async def run_async(model, rollout, scenarios, groups: int, bound: int,
                     schedule: Schedule, staleness: str = "admit") -> tuple[float, dict]:
     await schedule.after(model, 0)
-    started = time.perf_counter()
+    schedule.trained(0)
     pipeline = tracerl.RolloutPipeline(model, rollout, scenarios, groups_per_step=groups,
                                        max_steps_off_policy=bound,
                                        train_config=schedule.config(1), staleness=staleness)
-    trained = []
-    async for step in pipeline.steps(max_steps=steps):
+    trained, seconds = [], 0.0
+    # ending (max_steps) cancels the rollouts still in flight, in the engine too
+    async for step in pipeline.steps(max_steps=schedule.last):
         trained.append(step)
         pipeline.train_config = schedule.config(len(trained) + 1)
         await schedule.after(model, len(trained))  # the pipeline trains nothing meanwhile
-    return time.perf_counter() - started - schedule.eval_s, kept_and_dropped(trained)
+        schedule.trained(len(trained))
+        if len(trained) == schedule.last:  # the stop's cancelling left out
+            seconds = schedule.seconds()
+    timed = trained[schedule.untimed:]
+    return seconds, {**kept_and_dropped(timed),
+                     "base_calls_timed": base_calls([g for t in timed for g in t.groups]),
+                     "cancelled_groups": pipeline.cancelled_groups}
 
 
 async def measure(args: argparse.Namespace) -> dict:
@@ -152,7 +193,7 @@ async def measure(args: argparse.Namespace) -> dict:
                                   resident_adapters=args.bound + 1, sleep_during_training=False,
                                   gpu_memory_utilization=args.gpu_memory_utilization)
     # the pipeline may run ahead, and drop groups
-    total = args.steps * args.groups * (args.bound + 2) * 2
+    total = (args.steps + args.bound + 1) * args.groups * (args.bound + 2) * 2
     if args.task == "numbers":
         scenarios = list(enumerate(demo.scenarios(seed=7, n=total)))
         rollout = numbers_rollout(args.group_size)
@@ -163,7 +204,7 @@ async def measure(args: argparse.Namespace) -> dict:
         ["async"] if args.staleness is None else [f"async-{s}" for s in args.staleness])
     results: dict[str, list[float]] = {side: [] for side in sides}
     curves: dict[str, list[list[tuple[int, float]]]] = {side: [] for side in sides}
-    staleness: dict[str, list[dict]] = {side: [] for side in sides if side != "sync"}
+    staleness: dict[str, list[dict]] = {side: [] for side in sides}
     try:
         for repeat in range(args.repeats):
             for kind in sides if repeat % 2 == 0 else sides[::-1]:
@@ -174,19 +215,19 @@ async def measure(args: argparse.Namespace) -> dict:
                 await model.register(backend)
                 schedule = Schedule(args)
                 if kind == "sync":
-                    seconds = await run_sync(model, rollout, scenarios, args.groups, args.steps,
-                                             schedule)
+                    seconds, stats = await run_sync(model, rollout, scenarios, args.groups,
+                                                    schedule)
                 else:
                     seconds, stats = await run_async(
-                        model, rollout, scenarios, args.groups, args.steps, args.bound, schedule,
+                        model, rollout, scenarios, args.groups, args.bound, schedule,
                         kind.removeprefix("async-") if "-" in kind else "admit")
-                    staleness[kind].append(stats)
+                staleness[kind].append(stats)
                 results[kind].append(args.steps * 60 / seconds)
                 curves[kind].append(schedule.curve)
                 # each side as it ends, so a run cut short by its time limit still tells
                 print(json.dumps({"side": kind, "repeat": repeat, "seconds": seconds,
                                   "steps_per_min": results[kind][-1],
-                                  **(staleness[kind][-1] if kind != "sync" else {})}),
+                                  **staleness[kind][-1]}),
                       file=sys.stderr, flush=True)
     finally:
         await backend.close()
@@ -196,8 +237,7 @@ async def measure(args: argparse.Namespace) -> dict:
         out["ratio"] = {k: v / best["sync"] for k, v in best.items() if k != "sync"}
     elif {"async-admit", "async-drop"} <= best.keys():
         out["ratio_admit_over_drop"] = best["async-admit"] / best["async-drop"]
-    if staleness:
-        out["staleness"] = staleness
+    out["staleness"] = staleness
     if args.task == "numbers":
         out["held_out_reward_by_step"] = curves
     return out
@@ -212,6 +252,9 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[4, 16, 48])
     ap.add_argument("--env-s", type=float, nargs="+", default=[0.0, 1.0, 3.0])
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--adapter-steps-only", action="store_true",
+                    help="run the first --bound + 1 steps of each side untimed (they sample "
+                    "from the base model on the async side) and time the --steps after them")
     ap.add_argument("--staleness", nargs="+", choices=["drop", "admit"],
                     help="run the async side once per staleness policy (default: the "
                     "pipeline's default, one async side)")

@@ -1,11 +1,13 @@
 """The async off-policy pipeline on the real transformers engine and trainer (SmolLM2): the
 staleness bound holds for every trained call, a group past it is dropped (``staleness="drop"``)
 or kept by admission and pacing (``"admit"``), each step logs the lengths of kept and dropped
-rollouts, and with a bound of 0 the pipeline trains exactly what the synchronous loop trains."""
+rollouts, with a bound of 0 the pipeline trains exactly what the synchronous loop trains, and
+when ``steps()`` ends its rollouts in flight are cancelled, in the engine too."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 import torch
@@ -37,7 +39,7 @@ async def scripted_rollout(model, scenario: int, config) -> tracerl.TrajectoryGr
 async def new_model(backend, name: str, **engine) -> tracerl.TrainableModel:
     model = tracerl.TrainableModel(
         name=name, project="pipeline", base_model="smollm2", config=tracerl.ModelConfig(
-            engine=tracerl.EngineConfig(max_model_len=256, **engine)))
+            engine=tracerl.EngineConfig(**{"max_model_len": 256, **engine})))
     await model.register(backend)
     return model
 
@@ -220,3 +222,95 @@ async def test_drop_loses_slow_groups_and_admit_keeps_them_within_the_bound(tf_b
     assert max(kept_s) >= SLOW_S > min(kept_s)  # the slow groups were trained, and fast ones
     assert all(h["kept_rollout_tokens"] > 0 for h in lines)
     assert "dropped" not in {h["split"] for h in history}
+
+
+COUNTING = "Count from 1 to 1000, one number per line."
+LONG = 1500  # tokens: far more than the engine samples during one training step here
+
+
+class Leftovers:
+    """Rollouts that stay in flight: scenario 0 is a fixed group, returned once another
+    group's call decodes in the engine; every other group has a rollout that samples ``LONG``
+    tokens and one that waits on an environment that never answers. Each rollout notes its
+    start and its cancellation."""
+
+    def __init__(self, batcher) -> None:
+        self.batcher = batcher
+        self.never = asyncio.Event()
+        self.started = 0
+        self.cancelled = 0
+        self.four_started = asyncio.Event()  # groups 1 and 2 (admitted after step 1) running
+
+    async def one(self, model, calls: bool) -> tracerl.Trajectory:
+        self.started += 1
+        if self.started == 4:
+            self.four_started.set()
+        try:
+            if calls:
+                await model.openai_client().chat.completions.create(
+                    model=model.name, messages=[{"role": "user", "content": COUNTING}],
+                    max_tokens=LONG, temperature=0.0)
+            await self.never.wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        raise AssertionError("an environment that never answers answered")
+
+    async def rollout(self, model, scenario: int, config) -> tracerl.TrajectoryGroup:
+        if scenario == 0:
+            await until(lambda: self.batcher.decoding, "a long call decoding", 120)
+            return scripted_group(0)
+        return await tracerl.TrajectoryGroup([self.one(model, True), self.one(model, False)])
+
+    def engine_idle(self) -> bool:
+        b = self.batcher
+        return not (b.decoding or b._waiting or b._prefill or b.queue.qsize())
+
+
+async def leftovers(backend, name: str) -> tuple[tracerl.RolloutPipeline, Leftovers]:
+    model = await new_model(backend, name, max_model_len=2048, resident_adapters=2)
+    rollouts = Leftovers(backend.gateway.models[model.spec.key].engine._batcher_impl)
+    pipeline = tracerl.RolloutPipeline(model, rollouts.rollout, range(10), groups_per_step=1,
+                                       max_steps_off_policy=1, train_config=FAST)
+    return pipeline, rollouts
+
+
+async def assert_all_stopped(pipeline, rollouts: Leftovers, before: set, caplog) -> None:
+    """Nothing the pipeline started runs on, the engine drops the calls of the cancelled
+    rollouts, and the pipeline said what it cancelled."""
+    await asyncio.wait_for(pipeline.stopped.wait(), 60)
+    pending = [t for t in asyncio.all_tasks() - before - {asyncio.current_task()}
+               if not t.done()]
+    assert not pending, pending
+    assert rollouts.cancelled == 4  # groups 1 and 2, two rollouts each
+    await until(rollouts.engine_idle, "the engine to drop the cancelled calls", 30)
+    assert "cancelled 2 rollout group(s) in flight" in caplog.text
+
+
+async def test_steps_ending_at_max_steps_cancels_the_rollouts_in_flight(tf_backend, caplog):
+    """``steps(max_steps=1)`` returns while two groups are in flight (one call decoding, the
+    other rollouts waiting on their environment): they are cancelled and awaited, and the
+    engine stops generating for them."""
+    caplog.set_level(logging.INFO, logger="tracerl.rollout.pipeline")
+    backend, _ = tf_backend
+    before = asyncio.all_tasks()
+    pipeline, rollouts = await leftovers(backend, "left_max")
+    async for trained in pipeline.steps(max_steps=1):
+        assert trained.step == 1
+        await asyncio.wait_for(rollouts.four_started.wait(), 60)
+        assert rollouts.batcher.decoding  # the long call, still generating
+    assert pipeline.stopped.is_set()  # at once: steps() returned
+    await assert_all_stopped(pipeline, rollouts, before, caplog)
+
+
+async def test_a_break_out_of_steps_cancels_the_rollouts_in_flight(tf_backend, caplog):
+    """The consumer leaves its ``async for`` with ``break``: the loop closes the generator,
+    which cancels what was in flight as ``max_steps`` does."""
+    caplog.set_level(logging.INFO, logger="tracerl.rollout.pipeline")
+    backend, _ = tf_backend
+    before = asyncio.all_tasks()
+    pipeline, rollouts = await leftovers(backend, "left_break")
+    async for _ in pipeline.steps():
+        await asyncio.wait_for(rollouts.four_started.wait(), 60)
+        break
+    await assert_all_stopped(pipeline, rollouts, before, caplog)

@@ -8,7 +8,9 @@
 #                                    adapter-smollm2-135m:64,256 async-qwen2.5-1.5b]
 # env: WAVES (default 3), PROFILE=1 (py-spy: the gateway process / vLLM's engine core),
 #      VLLM_ARGS (extra benchmark flags, e.g. "--vllm-arg=--max-loras=1"),
-#      ASYNC_STEPS (default 3), ASYNC_REPEATS (default 1; 2: sync, async, async, sync),
+#      ASYNC_STEPS (timed steps a side, default 2), ASYNC_REPEATS (default 1; 2: sync, async,
+#      async, sync), ASYNC_ADAPTER_STEPS_ONLY (default 1: the first bound + 1 = 3 steps of each
+#      side run untimed, so that both sides' timed steps sample through adapters; 0: time all),
 #      REPLICAS=K (rollout jobs: the gateway over K servers on the GPU vs one of them directly),
 #      GATEWAY_VARIANTS="url uvloop httptools groupfsync" (rollout jobs: more gateways in the
 #      same waves, rollout_throughput.py's docstring)
@@ -64,8 +66,12 @@ loop_check() {  # the whole loop: rollouts, a GRPO step with vLLM asleep, the ad
 }
 async_check() {  # async-SHAPE: the async pipeline (bound 2) vs the sync loop, steps per minute,
   # vLLM serving while the trainer trains on the same GPU; rollouts of 64/256/1024 tokens.
-  # ASYNC_STEPS (default 3): 4 did not fit one call beside two ~200 s vLLM starts (session 12);
-  # each side's result is in the log as soon as it ends
+  # ASYNC_STEPS (default 2) timed steps after 3 untimed ones (ASYNC_ADAPTER_STEPS_ONLY=1, the
+  # default: async's first bound + 1 steps sample from the base model, which vLLM serves ~10x
+  # faster than through LoRA, HISTORY.md 2026-12-06); 4 steps in all did not fit one call beside
+  # two ~200 s vLLM starts (session 12); each side's result is in the log as soon as it ends,
+  # with base_calls_timed (0: every timed call went through an adapter) and, for async,
+  # cancelled_groups (its run-ahead rollouts cancelled when it ended, in vLLM too)
   # ASYNC_REPEATS=2 runs sync, async, async, sync (the order alternates each repeat), so a side
   # that pays the first use of the server or the trainer is seen; GPU use and the busiest
   # processes are sampled every 5 s beside it ($OUT/$1-smi.log, $1-top.log)
@@ -75,8 +81,9 @@ async_check() {  # async-SHAPE: the async pipeline (bound 2) vs the sync loop, s
   (while sleep 5; do date +%T; top -b -n 1 -o %CPU 2>&1 | sed -n 7,14p; done > "$OUT/$1-top.log") &
   local top=$!
   timeout ${ROLLOUT_TIMEOUT_S:-560} python3 benchmarks/async_vs_sync.py --engine vllm \
-    --random-init "$shape" --tokenizer .vllm2/tok --gpu-memory-utilization 0.5 --steps ${ASYNC_STEPS:-3} \
+    --random-init "$shape" --tokenizer .vllm2/tok --gpu-memory-utilization 0.5 --steps ${ASYNC_STEPS:-2} \
     --groups 4 --group-size 8 --bound 2 --lengths 64 256 1024 --env-s 0 1 --repeats ${ASYNC_REPEATS:-1} \
+    $([ "${ASYNC_ADAPTER_STEPS_ONLY:-1}" = 1 ] && echo --adapter-steps-only) \
     > "$OUT/$1.json" 2> "$OUT/$1.log" || { echo "FAILED $1"; tail -40 "$OUT/$1.log"; }
   kill $smi $top 2>/dev/null || true
   grep -E '^\{"side"' "$OUT/$1.log" || true

@@ -45,6 +45,7 @@ from .client import CLOSED_KEY
 from .sampling import SampledGroups, SamplingReport, draw_groups, groups_wanted
 
 DEFAULT_ROLLOUT_TIMEOUT_S = 600.0
+CANCEL_WAIT_S = 10.0  # a cancelled group waits this long for its rollouts to unwind
 SPAN_POLL_FIRST_S, SPAN_POLL_MAX_S = 0.01, 0.25  # polls for spans posted after the answer
 
 log = logging.getLogger(__name__)
@@ -282,6 +283,8 @@ async def run_group(pending: PendingTrajectoryGroup, group_index: int | None = N
     finally:
         for task in tasks:
             task.cancel()
+        if unwinding := [t for t in tasks if not t.done()]:  # cancelled: requests closed first
+            await asyncio.wait(unwinding, timeout=CANCEL_WAIT_S)
         if own:
             gather.close()
     return TrajectoryGroup(trajectories, exceptions=exceptions, metadata=pending.metadata,

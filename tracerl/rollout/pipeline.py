@@ -35,6 +35,14 @@ kept and dropped rollouts (``kept_rollout_tokens``, ``kept_rollout_s``, ``droppe
 with ``kept_groups``, ``dropped_groups``, ``held_groups``, ``wait_s``), and the dropped groups
 themselves under the ``dropped`` split (their calls are then no orphan calls).
 
+When :meth:`RolloutPipeline.steps` ends (``max_steps`` reached, the scenarios run out, an
+error, or the consumer leaves its ``async for`` by ``break`` or closes it), the rollouts running
+ahead of the trainer are cancelled, not drained: their tasks are cancelled and awaited (up to
+:data:`STOP_TIMEOUT_S`), and a gateway call whose client is cancelled stops in the engine too.
+Finished groups not trained yet are left; the counts are logged. After a ``break`` the event
+loop closes the generator soon after, not at once: ``async with contextlib.aclosing(
+pipeline.steps()) as steps`` closes it on leaving the block, or await ``pipeline.stopped``.
+
 Groups within the bound are trained with the importance-sampling correction the GRPO loss
 already applies: the ratio of the current policy to the *recorded* sampling logprobs of each
 token, clipped to ``[1 - epsilon, 1 + epsilon_high]`` (PPO/GRPO's clipped surrogate). With
@@ -53,7 +61,7 @@ import enum
 import functools
 import logging
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, Literal, TypeVar, cast
 
@@ -82,6 +90,7 @@ Staleness = Literal["admit", "drop"]
 STALENESS: tuple[Staleness, ...] = ("admit", "drop")
 DURATION_WINDOW = 32  # finished groups whose longest duration estimates a new group's
 PACE_WINDOW = 8  # steps whose mean interval and training time estimate the pace
+STOP_TIMEOUT_S = 30.0  # how long steps() waits, as it ends, for cancelled rollouts to unwind
 
 
 class _Done(enum.Enum):
@@ -196,6 +205,8 @@ class RolloutPipeline(Generic[ScenarioT, ConfigT]):
         self._intervals: deque[float] = deque(maxlen=PACE_WINDOW)
         self._train_s: deque[float] = deque(maxlen=PACE_WINDOW)
         self._changed_at = 0.0
+        self.stopped = asyncio.Event()  # set once steps() has ended and its rollouts stopped
+        self.cancelled_groups = 0  # groups in flight that steps() cancelled as it ended
 
     @staticmethod
     def _now() -> float:
@@ -357,7 +368,13 @@ class RolloutPipeline(Generic[ScenarioT, ConfigT]):
         return out
 
     async def steps(self, max_steps: int | None = None) -> AsyncIterator[TrainedStep]:
-        """Train until the scenarios run out (or ``max_steps``), yielding each trained step."""
+        """Train until the scenarios run out (or ``max_steps``), yielding each trained step.
+
+        However it ends (``max_steps``, the scenarios run out, an error, the consumer's
+        ``break`` or ``aclose()``), the rollouts still in flight are cancelled, their engine
+        calls with them, and :attr:`stopped` is set once they have unwound (see the module's
+        doc)."""
+        self.stopped.clear()
         self._start = self._policy = await self.model.get_step()
         self._changed_at = self._now()
         scenarios = _aiter(self._scenarios)
@@ -416,9 +433,30 @@ class RolloutPipeline(Generic[ScenarioT, ConfigT]):
                     "steps_off_policy_max": float(max(lags)), **sampling}, len(dropped), lags,
                     len(report.discarded) if report else 0)
         finally:
-            for w in workers:
-                w.cancel()
-            await asyncio.gather(*workers, return_exceptions=True)
+            await self._stop(workers, ready, scenarios)
+
+    async def _stop(self, workers: list[asyncio.Task[None]], ready: list[_Finished],
+                    scenarios: AsyncIterator[ScenarioT]) -> None:
+        """:meth:`steps` ended: cancel the rollouts in flight and wait (up to
+        :data:`STOP_TIMEOUT_S`) until they have unwound, close the scenario iterator made here,
+        log what was left, and set :attr:`stopped`."""
+        self.cancelled_groups = running = sum(self._running.values())
+        for w in workers:
+            w.cancel()
+        if workers:
+            _, stuck = await asyncio.wait(workers, timeout=STOP_TIMEOUT_S)
+            if stuck:
+                log.warning("%d rollout worker(s) ignored their cancellation for %g s and are "
+                            "left running", len(stuck), STOP_TIMEOUT_S)
+        finished = len(ready)
+        while not self._queue.empty():
+            finished += isinstance(self._queue.get_nowait(), _Finished)
+        if scenarios is not self._scenarios:  # the generator over an iterable, made here
+            await cast(AsyncGenerator[ScenarioT, None], scenarios).aclose()
+        if running or finished:
+            log.info("%s: the pipeline stopped; cancelled %d rollout group(s) in flight, "
+                     "%d finished group(s) left untrained", self.model.name, running, finished)
+        self.stopped.set()
 
 
 def _art_pipeline(pipeline: PipelineRuntimeConfig | None, autotune: PipelineAutotuneConfig | None,

@@ -15,6 +15,7 @@ In flow order (one request to its answer):
 - ``swap_lock.py``: a model's calls share it; its adapter swap waits for them, holds new ones;
   a call holds its share as one ``Admission``, released once.
 - ``supervisor.py``: an engine call's failure as the caller's answer; dead engines restarted.
+- ``hang_up.py``: a non-streamed call cancelled in the engine when its client hangs up.
 - ``stream_pump.py``: a streamed call, forwarded chunk by chunk and recorded by its own task.
 - ``recorder.py``: engine answers as token-exact ``LLMCall`` records, kept per rollout.
 - ``rollout_api.py``: the rollout API (``/v1/rollouts``) for services outside the trainer's

@@ -29,6 +29,7 @@ from ...core.storage import ModelStore
 from ...core.trajectory import LLMCall
 from ..protocols.base import Protocol
 from ..protocols.registry import load_protocols
+from .hang_up import ClientHungUp, unless_hung_up
 from .http_answers import (
     KeyRequired,
     bearer_key_check,
@@ -168,12 +169,15 @@ class Gateway:
         engine = served.engine
         with admission:  # held until the engine answered or failed
             try:
-                # a request past its deadline is cancelled, in the engine too (vLLM: the HTTP
-                # request is closed, which aborts it; transformers: its sequences stop)
+                # a request past its deadline, or whose client hung up, is cancelled, in the
+                # engine too (vLLM: the HTTP request is closed, which aborts it; transformers:
+                # its sequences stop)
                 async with asyncio.timeout(served.timeout_s):
-                    response = await (engine.chat(rec.engine_body)
-                                      if endpoint == "chat.completions"
-                                      else engine.completions(rec.engine_body))
+                    response = await unless_hung_up(request.receive, (
+                        engine.chat(rec.engine_body) if endpoint == "chat.completions"
+                        else engine.completions(rec.engine_body)))
+            except ClientHungUp:
+                return Response(status_code=499)  # nginx's "client closed request": unread
             except (EngineError, TimeoutError) as e:
                 return error_response(self.supervisor.failure(e, engine, served.timeout_s))
         response["model"] = body["model"]
