@@ -7,9 +7,10 @@ LoRA on all seven projections, saved-tensor hooks), ``4 x intermediate + 6 x hid
 2 x key/value width`` elements, 1.15 MiB per token over its 30 layers (linear in the row's
 length: the attention saves no ``[L, L]`` matrix). A checkpointed layer keeps only its input
 (``hidden`` elements a token) and, in the backward pass, one layer's activations at a time
-come back. :func:`plan` checkpoints the fewest layers that bring the step's largest
-micro-batch within the budget (each costs one more forward of that layer), all of them when
-none does; ``TrainConfig.gradient_checkpointing`` True or False overrides it.
+come back; the first layers are the checkpointed ones, so that they come back once the later
+layers' activations are freed. :func:`plan` checkpoints the fewest layers that bring the
+step's largest micro-batch within the budget (each costs one more forward of that layer), all
+of them when none does; ``TrainConfig.gradient_checkpointing`` True or False overrides it.
 """
 
 from __future__ import annotations
@@ -67,16 +68,16 @@ def plan(config: Any, tokens: int, element_bytes: int, budget_mb: float,
     full, kept = layer_bytes_per_token(config, element_bytes)
     full_mb, kept_mb = full * tokens / MB, kept * tokens / MB
 
-    def planned(k: int) -> float:  # k checkpointed: the others', k inputs, one recomputed
-        return head_mb + (total - k) * full_mb + k * kept_mb + (full_mb if k else 0.0)
+    def planned(k: int) -> float:
+        # the first k checkpointed: the forward ends holding the others' activations and k
+        # inputs; the backward frees the others' before it recomputes the first k, one by one
+        return head_mb + k * kept_mb + max(total - k, 1 if k else 0) * full_mb
 
     if forced is not None:
         k = total if forced else 0
-    elif planned(0) <= budget_mb:
-        k = 0
-    else:  # the fewest k with planned(k) <= budget: planned falls by full - kept per layer
-        k = min(total, 1 + max(0, math.ceil((planned(1) - budget_mb)
-                                            / max(full_mb - kept_mb, 1e-9))))
+    else:  # the fewest k with planned(k) <= budget: each layer saves full - kept (all: total)
+        over = planned(0) - budget_mb
+        k = 0 if over <= 0 else min(total, math.ceil(over / max(full_mb - kept_mb, 1e-9)))
     return Plan(k, total, planned(0), planned(k), budget_mb)
 
 
