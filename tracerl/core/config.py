@@ -89,9 +89,19 @@ class TrainConfig(_Strict):
     num_epochs: int = Field(1, ge=1, description="optimizer steps over the step's data (one "
                             "per pass); more than 1 reuses the rollouts, off-policy after the "
                             "first")
-    gradient_checkpointing: bool = Field(
-        False, description="recompute activations in the backward pass instead of keeping "
-        "them: less memory, a slower step; turn on for long sequences or big models")
+    gradient_checkpointing: bool | Literal["auto"] = Field(
+        "auto", description="recompute activations in the backward pass instead of keeping "
+        "them: less memory, a slower step. 'auto': the fewest decoder layers that keep the "
+        "step's largest micro-batch's estimated activations within activation_memory_mb "
+        "(none when they fit; the step's metrics say how many: checkpointed_layers); True: "
+        "every layer; False: none")
+    activation_memory_mb: float | None = Field(
+        None, gt=0, description="the activation memory budget of gradient_checkpointing='auto', "
+        "in MiB: the output head's buffers plus every decoder layer's kept activations of the "
+        "step's largest micro-batch (estimated from the model's shape). None: 1,536 on CPU "
+        "(a 4,096-token micro-batch of SmolLM2-135M within 2 GB), on CUDA half the memory the "
+        "device has free as the step starts; raise it for speed when memory is plentiful, lower "
+        "it when a step runs out of memory")
     weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay on the "
                                 "LoRA weights (0 = off, the usual choice for LoRA RL)")
     seed: int | None = Field(None, description="torch's seed, set before each step's update "

@@ -11,6 +11,8 @@ In flow order:
 - ``update.py``: the one update loop, top to bottom: micro-batches -> old logprobs -> loss
   and backward per micro-batch -> clip -> optimizer step, for one policy or several adapters
   on one base (a model's step, ``train_many`` and each distributed rank all run it).
+- ``head.py``: the output head's logprobs and entropy in chunks (no ``[tokens, vocab]``
+  logits); ``checkpointing.py``: the decoder layers a step recomputes, sized to a budget.
 - ``policy.py``: one adapter's policy (its LoRA in a loaded peft model, optimizer, step
   count) and the update's public seam (tensors, logits, old logprobs, clipping, rank hooks).
 - ``trainer.py``: the policy of a model on a base of its own (loaded: peft or Unsloth).

@@ -6,8 +6,9 @@ of its own then constructs it; :class:`~.adapters.AdapterPolicy` constructs it o
 :class:`~.adapters.SharedBase`'s model, with its own adapter name. Its public methods are the
 seam of the update (:class:`~.update.UpdatedPolicy`): ``tensors``, ``logits``,
 ``fill_old_logprobs``, ``prepare``, ``clip_grad_norm``, ``idle_pass``, ``sum_over_ranks``,
-``release_step_memory``; with ``distribute`` and ``load_optimizer_state``, run while it is
-constructed, they are what the distributed rank (``rank.py``) overrides.
+``max_over_ranks``, ``release_step_memory``; with ``distribute`` and
+``load_optimizer_state``, run while it is constructed, they are what the distributed rank
+(``rank.py``) overrides.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import torch
 from ...core.config import LoraConfig, TrainConfig
 from ...core.storage import OPTIMIZER_FILE
 from ..chat_template import render_prompt
-from .head import head_logprobs
+from . import checkpointing
+from .head import CHUNK_ELEMENTS, head_logprobs
 from .loss import token_entropy, token_logprobs
 from .rows import NAN, Row, has_unknown_logprobs
 from .update import (
@@ -141,20 +143,36 @@ class Policy(Rendering):
 
     # --- the seam of the update (update.UpdatedPolicy) ---------------------------------------
 
-    def prepare(self, config: TrainConfig) -> None:
-        """Seed, learning rate (of this adapter's step count under the config's schedule) and
-        training mode of a step under ``config``."""
+    def prepare(self, config: TrainConfig, largest: int = 0) -> dict[str, float]:
+        """Seed, learning rate (of this adapter's step count under the config's schedule),
+        training mode and checkpointed layers of a step under ``config`` whose largest
+        micro-batch pads to ``largest`` tokens; returns the checkpointing decision's metrics
+        (``checkpointing.py``)."""
         if config.seed is not None:
             torch.manual_seed(config.seed)
         for g in self.optimizer.param_groups:
             g["lr"] = config.learning_rate_at(self.steps_done)
             g["weight_decay"] = config.weight_decay
-        if config.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
-            self.model.enable_input_require_grads()
-        elif getattr(self.model, "is_gradient_checkpointing", False):  # an earlier step's
-            self.model.gradient_checkpointing_disable()
+        decision = self.checkpoint_plan(config, largest)
+        checkpointing.apply(self.model, decision.layers)
         self.model.train()
+        return decision.as_metrics()
+
+    def checkpoint_plan(self, config: TrainConfig, tokens: int) -> checkpointing.Plan:
+        """The layers a micro-batch of ``tokens`` padded tokens checkpoints under ``config``:
+        ``gradient_checkpointing`` True or False, or ``'auto'``: within
+        ``activation_memory_mb`` (unset: ``checkpointing.default_budget_mb``)."""
+        mode = config.gradient_checkpointing
+        budget = config.activation_memory_mb or checkpointing.default_budget_mb(self.device)
+        head = self.model.get_base_model().get_output_embeddings()
+        vocab = int(head.weight.shape[0]) if head is not None else 0
+        if self.output_head() is not None:  # a few chunks of [tokens, vocab] fp32 at a time
+            head_mb = 3 * CHUNK_ELEMENTS * 4 / checkpointing.MB
+        else:  # the logits, their log-softmax and gradient: [tokens, vocab] fp32 each
+            head_mb = 3 * tokens * vocab * 4 / checkpointing.MB
+        return checkpointing.plan(self.model.get_base_model().config, tokens, self.dtype.itemsize,
+                                  budget,
+                                  head_mb, forced=None if mode == "auto" else bool(mode))
 
     def tensors(self, batch: list[Row]) -> dict[str, torch.Tensor]:
         """Padded tensors of a micro-batch. Logits are needed only from the first trained token
@@ -296,6 +314,10 @@ class Policy(Rendering):
     def sum_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
         """Metric sums of this process's micro-batches -> of the whole step."""
         return values
+
+    def max_over_ranks(self, value: float) -> float:
+        """The largest of every rank's ``value``: one process has one."""
+        return value
 
     # --- checkpoints -------------------------------------------------------------------------
 

@@ -117,6 +117,11 @@ class RankTrainer(Trainer):
         dist.all_reduce(t)
         return dict(zip(names, t.tolist(), strict=True))
 
+    def max_over_ranks(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
     def clip_grad_norm(self, max_norm: float) -> float:
         norm = torch.nn.utils.clip_grad_norm_(
             [p for p in self.model.parameters() if p.requires_grad], max_norm)

@@ -49,8 +49,10 @@ class UpdatedPolicy(Protocol):
     steps_done: int
     gradient_scale: float
 
-    def prepare(self, config: TrainConfig) -> None:
-        """Seed, learning rate and training mode of a step."""
+    def prepare(self, config: TrainConfig, largest: int = 0) -> dict[str, float]:
+        """Seed, learning rate, training mode and checkpointed layers of a step whose largest
+        micro-batch pads to ``largest`` tokens (on every rank); the decision's metrics."""
+        ...
 
     def tensors(self, batch: list[Row]) -> dict[str, torch.Tensor]:
         """Padded tensors of a micro-batch (``policy.Policy.tensors`` lists them)."""
@@ -79,6 +81,10 @@ class UpdatedPolicy(Protocol):
 
     def sum_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
         """Metric sums of this process's micro-batches -> of the whole step."""
+        ...
+
+    def max_over_ranks(self, value: float) -> float:
+        """The largest of every rank's ``value`` (one process: ``value``)."""
         ...
 
     def release_step_memory(self) -> None:
@@ -124,8 +130,11 @@ def update(policies: Sequence[UpdatedPolicy], batches: list[list[Row]],
     if (len({p.adapter_name for p in policies}) < len(policies)
             or any(p.model is not lead.model for p in policies)):
         raise ValueError("one update trains distinct policies of one shared base")
-    for policy in policies:  # seed, learning rate, training mode
-        policy.prepare(config)
+    # seed, learning rate, training mode; the layers checkpointed (the step's largest
+    # micro-batch within the activation budget: the same decision on every rank)
+    largest = max((len(b) * max(len(r) for r in b) for b in batches if b), default=0)
+    largest = int(lead.max_over_ranks(largest))
+    checkpointed = [policy.prepare(config, largest) for policy in policies]
     # the ratio's denominator: rows sampled without logprobs get the current policy's
     lead.fill_old_logprobs(batches)
     normalizers = {p.adapter_name: loss_normalizer(t, config)
@@ -146,8 +155,9 @@ def update(policies: Sequence[UpdatedPolicy], batches: list[list[Row]],
     rates = [float(p.optimizer.param_groups[0]["lr"]) for p in policies]  # this step's
     for policy in policies:
         policy.steps_done += 1
-    return [step_metrics(p.sum_over_ranks(sums[p.adapter_name]), t, grad_norms[p.adapter_name],
-                         lr) for p, t, lr in zip(policies, totals, rates, strict=True)]
+    return [{**step_metrics(p.sum_over_ranks(sums[p.adapter_name]), t,
+                            grad_norms[p.adapter_name], lr), **c}
+            for p, t, lr, c in zip(policies, totals, rates, checkpointed, strict=True)]
 
 
 def accumulate_gradients(lead: UpdatedPolicy, batches: list[list[Row]], config: TrainConfig,
