@@ -9,7 +9,10 @@ and question, then a tool call (trained), the tool's result (not trained) and th
 (trained); ~8% of tokens trained, as the catalog's ``tool-products`` steps have)::
 
     python benchmarks/train_step_mfu.py [--rows 8] [--mean-tokens 500] [--threads 2]
-        [--variants peft-lora,default,profile,threads1,eager,old-logprobs,kl]
+        [--micro-batch-tokens 2048] [--rounds 3] [--variants peft-lora,default,threads1,eager]
+
+The variants run in turn, ``--rounds`` times (the box's load changes: a variant is compared
+with the default step of its own round), then one ``profile`` step.
 
 **The matmul rate** is ``torch.mm`` over one decoder layer's projection shapes (q, k, v, o,
 gate, up, down) at the step's largest micro-batch of tokens, forward (``x @ W^T``) and input
@@ -30,9 +33,9 @@ its trained tokens, ``L`` layers, ``H`` hidden size, ``d`` = heads x head_dim, `
                                               and, in the same pass, the Jacobian p W; its
                                               backward is elementwise
 
-Variants (each one step, in the order given): ``default``; ``profile`` (the default step under
-``torch.profiler``: time in GEMMs, attention, other ops, the optimizer, and outside ops);
-``threads1`` (one torch thread; its own 1-thread matmul rate is printed too); ``eager``
+Variants (each one step): ``default``; ``profile`` (the default step under ``torch.profiler``:
+time in GEMMs, attention, other ops (the top ones named), the optimizer, and outside ops);
+``threads1`` (one torch thread, against the ``--threads`` matmul rate: the machine's bound); ``eager``
 (``eager`` attention instead of ``sdpa``); ``old-logprobs`` (rows without engine logprobs: the
 ``fill_old_logprobs`` pass runs); ``kl`` (``beta=0.04``: the reference pass runs);
 ``peft-lora`` (peft's own LoRA layers, as before ``training/fused_lora.py``: before/after in
@@ -181,10 +184,12 @@ def run_step(trainer: Any, name: str, args: argparse.Namespace, threads: int
     return seconds, rows, (None if prof is None else breakdown(prof, seconds))
 
 
-def breakdown(prof: Any, seconds: float) -> dict[str, float]:
+def breakdown(prof: Any, seconds: float) -> dict[str, Any]:
     """Seconds of the profiled step by kind: GEMMs, the attention kernel, other aten ops
-    (elementwise, copies, reductions), the optimizer step, and outside ops (Python, autograd)."""
+    (elementwise, copies, reductions; the top ones named), the optimizer step, and outside
+    ops (Python, autograd)."""
     out = dict.fromkeys(("gemm", "attention", "other_ops", "optimizer"), 0.0)
+    others: dict[str, float] = {}
     for e in prof.key_averages():
         s = e.self_cpu_time_total / 1e6
         if e.key.startswith("Optimizer.step"):
@@ -197,20 +202,26 @@ def breakdown(prof: Any, seconds: float) -> dict[str, float]:
             out["attention"] += s
         else:
             out["other_ops"] += s
+            others[e.key] = s
     out["other_ops"] -= out["optimizer"]  # the optimizer's aten ops are in its total
     out["outside_ops"] = seconds - sum(out.values())
-    return {k: round(v, 2) for k, v in out.items()}
+    top = sorted(others.items(), key=lambda kv: -kv[1])[:8]
+    return {**{k: round(v, 2) for k, v in out.items()},
+            "top_other_ops": {k: round(v, 2) for k, v in top}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--mean-tokens", type=int, default=500)
-    parser.add_argument("--micro-batch-tokens", type=int, default=4096)
+    parser.add_argument("--micro-batch-tokens", type=int, default=2048,
+                        help="2,048: a 4,096-token micro-batch of SmolLM2 needs ~10 GiB")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--matmul-seconds", type=float, default=4.0)
-    parser.add_argument("--variants", default="peft-lora,default,profile,threads1,eager")
+    parser.add_argument("--variants", default="peft-lora,default,threads1,eager")
+    parser.add_argument("--rounds", type=int, default=3, help="the variants, in turn, this "
+                        "many times (then one profiled step)")
     args = parser.parse_args()
     measure(args)
 
@@ -231,28 +242,40 @@ def measure(args: argparse.Namespace) -> None:
                       "trained_tokens": sum(r.trained_tokens for r in shape), **pad,
                       "gflop": {k: round(v / 1e9, 1) for k, v in flops.items()}}), flush=True)
     trainer.optimize(tool_rows(2, 128, seed=99), TrainConfig())  # warm-up: first-call costs
-    rate = matmul_rate(config, pad["largest"], args.matmul_seconds)
-    print(json.dumps({"matmul": rate}), flush=True)
-    for name in args.variants.split(","):
-        threads = 1 if name == "threads1" else args.threads
-        one_thread = None
-        if threads != args.threads:
-            torch.set_num_threads(threads)
-            one_thread = matmul_rate(config, pad["largest"], args.matmul_seconds)
-            torch.set_num_threads(args.threads)
-        seconds, rows, where = run_step(trainer, name, args, args.threads)
-        after = matmul_rate(config, pad["largest"], args.matmul_seconds)
-        bound = (rate["gflops"] + after["gflops"]) / 2
-        achieved = step_flops(config, lora.r, list(lora.target_modules), rows)["total"] \
-            / seconds / 1e9
-        print(json.dumps({
-            "variant": name, "seconds": round(seconds, 1), "gflops": round(achieved, 1),
-            "matmul_gflops_before_after": [round(rate["gflops"], 1), round(after["gflops"], 1)],
-            "mfu": round(achieved / bound, 3),
-            "mfu_vs_best_rate": round(achieved / max(rate["max"], after["max"]), 3),
-            **({"one_thread_matmul_gflops": round(one_thread["gflops"], 1)} if one_thread else {}),
-            **({"breakdown_s": where} if where else {})}), flush=True)
-        rate = after
+    rate = matmul_rate(config, pad["largest"], args.matmul_seconds)["gflops"]
+    results: list[dict[str, Any]] = []
+    for round_ in range(args.rounds + 1):
+        names = args.variants.split(",") if round_ < args.rounds else ["profile"]
+        for name in names:
+            seconds, rows, where = run_step(trainer, name, args, args.threads)
+            after = matmul_rate(config, pad["largest"], args.matmul_seconds)["gflops"]
+            achieved = step_flops(config, lora.r, list(lora.target_modules), rows)["total"] \
+                / seconds / 1e9
+            results.append({"round": round_, "variant": name, "seconds": round(seconds, 1),
+                            "gflops": round(achieved, 1),
+                            "matmul_gflops_before_after": [round(rate, 1), round(after, 1)],
+                            "mfu": round(achieved / ((rate + after) / 2), 3),
+                            **({"breakdown_s": where} if where else {})})
+            print(json.dumps(results[-1]), flush=True)
+            rate = after
+    print(json.dumps(summary(results, args.threads)), flush=True)
+
+
+def summary(results: list[dict[str, Any]], threads: int) -> dict[str, Any]:
+    """Per variant: median and range of its MFU and seconds; its step time over the default's
+    in the same round (paired: the box's load changes between rounds)."""
+    out: dict[str, Any] = {"threads": threads, "matmul_gflops_range": [
+        min(min(r["matmul_gflops_before_after"]) for r in results),
+        max(max(r["matmul_gflops_before_after"]) for r in results)]}
+    for name in dict.fromkeys(r["variant"] for r in results):
+        mine = [r for r in results if r["variant"] == name]
+        ratios = [r["seconds"] / d["seconds"] for r in mine for d in results
+                  if d["variant"] == "default" and d["round"] == r["round"]]
+        out[name] = {"mfu_median": statistics.median(r["mfu"] for r in mine),
+                     "mfu_range": [min(r["mfu"] for r in mine), max(r["mfu"] for r in mine)],
+                     "seconds_median": statistics.median(r["seconds"] for r in mine),
+                     "seconds_over_default": [round(x, 3) for x in ratios]}
+    return out
 
 
 if __name__ == "__main__":
