@@ -35,9 +35,9 @@ its trained tokens, ``L`` layers, ``H`` hidden size, ``d`` = heads x head_dim, `
 
 Variants (each one step): ``default``; ``profile`` (the default step under ``torch.profiler``:
 time in GEMMs, attention, other ops (the top ones named), the optimizer, and outside ops);
-``threads1`` (one torch thread, against the ``--threads`` matmul rate: the machine's bound); ``eager``
-(``eager`` attention instead of ``sdpa``); ``old-logprobs`` (rows without engine logprobs: the
-``fill_old_logprobs`` pass runs); ``kl`` (``beta=0.04``: the reference pass runs);
+``threads1`` (one torch thread, against the ``--threads`` matmul rate: the machine's bound);
+``eager`` (``eager`` attention instead of ``sdpa``); ``old-logprobs`` (rows without engine
+logprobs: the ``fill_old_logprobs`` pass runs); ``kl`` (``beta=0.04``: the reference pass runs);
 ``peft-lora`` (peft's own LoRA layers, as before ``training/fused_lora.py``: before/after in
 one run).
 """
@@ -196,7 +196,7 @@ def breakdown(prof: Any, seconds: float) -> dict[str, Any]:
             out["optimizer"] += e.cpu_time_total / 1e6
         elif not e.key.startswith("aten::"):
             continue
-        elif e.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"):
+        elif e.key in ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm"):
             out["gemm"] += s
         elif "scaled_dot_product" in e.key or e.key == "aten::_softmax":
             out["attention"] += s
