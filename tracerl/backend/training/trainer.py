@@ -17,6 +17,7 @@ import torch
 from ...core import settings
 from ...core.config import LoraConfig
 from ..chat_template import apply_chat_template_override
+from . import fused_lora
 from .policy import Policy
 
 
@@ -39,6 +40,10 @@ class Trainer(Policy):
                  else load_peft(model_path, lora, torch_device, dtype))
         super().__init__(model, tokenizer, lora, device=torch_device, dtype=dtype,
                          adapter_path=adapter_path, backend=backend)
+        if torch_device.type == "cpu" and type(self).distribute is Policy.distribute:
+            # LoRA layers in one autograd node each (fused_lora.py): a faster CPU step (the
+            # distributed ranks keep peft's layers under their wrappers)
+            fused_lora.install(self.model)
 
 
 # --- loading ---------------------------------------------------------------------------------
