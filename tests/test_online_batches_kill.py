@@ -27,6 +27,7 @@ CONFIG = tracerl.ModelConfig(engine=tracerl.EngineConfig(max_model_len=128))
 ONLINE = {"group_size": 2, "groups_per_step": 1, "batch_tries": 2, "poll_s": 5.0,
           "train": {"learning_rate": 1e-4}}
 STATUS = "/api/v1/models/tests/aside/online"
+ONLINE_ON = "tests/aside: online mode on"
 
 
 async def _rewarded_calls(url: str, task: str) -> None:
@@ -44,15 +45,14 @@ async def _rewarded_calls(url: str, task: str) -> None:
 
 
 def _online_status(url: str) -> dict:
-    """The model's online status; ``{}`` while its loop is not started yet (404)."""
     r = httpx.get(url + STATUS, headers={"authorization": f"Bearer {API_KEY}"}, timeout=60)
-    assert r.status_code in (200, 404), r.text
-    return r.json() if r.status_code == 200 else {}
+    assert r.status_code == 200, r.text
+    return r.json()
 
 
 def _records(path: Path) -> list[tuple[str, str, int | None]]:
     """``failed_batches.jsonl`` as (event, batch, try), after checking that every line is whole:
-    one JSON object ending in a newline."""
+    one JSON object ending in a newline (read with its writer killed or stopped)."""
     data = path.read_bytes() if path.exists() else b""
     assert not data or data.endswith(b"\n"), data[-200:]
     lines = [json.loads(line) for line in data.splitlines()]
@@ -73,25 +73,27 @@ async def test_a_failing_batch_keeps_its_tries_through_kill_9_and_stays_aside(tm
         server.start()
         model = await registered_on(server.url, "aside", "tests", CONFIG)
         await model.backend.close()
+        server.wait_for_log_line(ONLINE_ON, timeout_s=60)  # from now on calls are live ones
         await _rewarded_calls(server.url, "bad")
-        await until(lambda: _records(failed_batches), "the first failed try", timeout_s=120)
+        await until(lambda: read_jsonl(failed_batches), "the first failed try", timeout_s=120)
         server.kill9()  # before the second try (poll_s later)
         assert _records(failed_batches) == first_try
         assert "reward" in read_jsonl(failed_batches)[0]["error"]
 
         server.start()  # the count goes on: one try left, not batch_tries fresh ones
-        await until(lambda: len(_records(failed_batches)) >= 3, "the batch set aside",
+        await until(lambda: len(read_jsonl(failed_batches)) >= 3, "the batch set aside",
                     timeout_s=120)
         assert _records(failed_batches) == set_aside
         server.kill9()
 
+        on = server.log.read_text().count(ONLINE_ON)
         server.start()  # not resurrected
-        await until(lambda: _online_status(server.url), "online mode to start", timeout_s=60)
+        server.wait_for_log_line(ONLINE_ON, after=on, timeout_s=60)
         status = _online_status(server.url)
         assert status["set_aside_batches"] == ["online-0001"], status
         assert status["failing_batches"] == {} and "reward" in status["last_set_aside_error"]
         await _rewarded_calls(server.url, "good")
-        await until(lambda: _online_status(server.url).get("candidate") == 1,
+        await until(lambda: _online_status(server.url)["candidate"] == 1,
                     "good feedback to train step 1", timeout_s=300)
     finally:
         server.stop()
