@@ -23,8 +23,8 @@ from tracerl.core.trajectory import read_groups_jsonl
 from .remote_server import API_KEY, ServerProcess, registered_on
 
 CONFIG = tracerl.ModelConfig(engine=tracerl.EngineConfig(max_model_len=128))
-# poll_s leaves the test 5 s between the first failed try and the second to kill the server in
-ONLINE = {"group_size": 2, "groups_per_step": 1, "batch_tries": 2, "poll_s": 5.0,
+# poll_s leaves the test 10 s between the first failed try and the second to kill the server in
+ONLINE = {"group_size": 2, "groups_per_step": 1, "batch_tries": 2, "poll_s": 10.0,
           "train": {"learning_rate": 1e-4}}
 STATUS = "/api/v1/models/tests/aside/online"
 ONLINE_ON = "tests/aside: online mode on"
