@@ -31,7 +31,9 @@ def doctor_json(*args: str) -> tuple[int, dict]:
 
 @pytest.fixture(scope="module")
 async def healthy_run(tf_backend):
-    """One step of a fresh model: distinct rewards, single short greedy calls, no problems."""
+    """One step of a fresh model: distinct rewards, single short greedy calls, no problems.
+    Each rollout of a group asks its own number (greedy calls of one prompt would sample one
+    completion per group: the doctor's collapse)."""
     backend, _ = tf_backend
     model = tracerl.TrainableModel(
         name="healthy", project="tests", base_model="smollm2",
@@ -39,8 +41,9 @@ async def healthy_run(tf_backend):
     await model.register(backend)
 
     async def rollout(number: str, i: int) -> tracerl.Trajectory:
+        asked = number if i == 0 else number[::-1]
         messages = [{"role": "system", "content": "Reply with the number only."},
-                    {"role": "user", "content": f"Repeat this number: {number}"}]
+                    {"role": "user", "content": f"Repeat this number: {asked}"}]
         response = await model.openai_client().chat.completions.create(
             model=model.get_inference_name(), messages=messages, max_tokens=16, temperature=0.0)
         return tracerl.Trajectory(messages_and_choices=[*messages, response.choices[0]],

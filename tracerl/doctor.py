@@ -326,7 +326,8 @@ def run_checks(model_dir: str | Path) -> list[Finding]:
     warned: dict[str, list[tuple[int, Any]]] = {item: [] for item in THRESHOLDS}
     for h in train:
         for w in step_warnings(h):
-            warned[w.item].append((int(h["step"]), w))
+            # items beyond the thresholds' (the collapse, a zero learning rate) when they warn
+            warned.setdefault(w.item, []).append((int(h["step"]), w))
     last = int(train[-1]["step"])
     for item, hits in warned.items():
         if item == "skipped_groups" and solved:  # equal rewards of a solved task: no failure
