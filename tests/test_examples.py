@@ -36,7 +36,7 @@ def example_run(request, tmp_path_factory):
          "--path", str(path)],
         cwd=EXAMPLES, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
-    (line,) = [x for x in out.stdout.splitlines() if x.startswith("step 1:")]
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith("step 1: reward")]
     (saved,) = path.rglob("trajectories/train/0001.jsonl")  # step 1, named as the store does
     (group,) = read_groups_jsonl(saved)
     return SimpleNamespace(path=path, line=line, group=group)
