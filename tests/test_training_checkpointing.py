@@ -102,7 +102,7 @@ def test_gradients_are_the_same_whatever_is_checkpointed(trainer):
     assert on_metrics["checkpointed_layers"] == 30 and on_calls == 2
     budget = trainer.checkpoint_plan(  # between all layers' and none's: some layers
         TrainConfig(gradient_checkpointing=True), 140).planned_mb * 1.5
-    auto = TrainConfig(activation_memory_mb=budget)
+    auto = TrainConfig(activation_memory_mb=budget, gradient_checkpointing="auto")
     auto_metrics, partial, partial_calls = _grads(trainer, auto, 140)
     assert 0 < auto_metrics["checkpointed_layers"] < 30 and partial_calls == 2
     assert auto_metrics["activation_planned_mb"] <= budget < auto_metrics["activation_estimate_mb"]
@@ -113,8 +113,9 @@ def test_gradients_are_the_same_whatever_is_checkpointed(trainer):
 
 
 def test_the_step_metrics_carry_the_decision(trainer):
-    """A step of the default config on CPU: small micro-batches fit the default budget."""
-    metrics = trainer.optimize(_rows(), TrainConfig(learning_rate=1e-9))
+    """A step under 'auto' on CPU: small micro-batches fit the default budget."""
+    metrics = trainer.optimize(_rows(), TrainConfig(learning_rate=1e-9,
+                                                    gradient_checkpointing="auto"))
     assert metrics["checkpointed_layers"] == 0
     assert metrics["activation_budget_mb"] == checkpointing.CPU_BUDGET_MB
     assert 0 < metrics["activation_estimate_mb"] < checkpointing.CPU_BUDGET_MB

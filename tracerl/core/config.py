@@ -90,7 +90,7 @@ class TrainConfig(_Strict):
                             "per pass); more than 1 reuses the rollouts, off-policy after the "
                             "first")
     gradient_checkpointing: bool | Literal["auto"] = Field(
-        "auto", description="recompute activations in the backward pass instead of keeping "
+        False, description="recompute activations in the backward pass instead of keeping "
         "them: less memory, a slower step. 'auto': the fewest decoder layers that keep the "
         "step's largest micro-batch's estimated activations within activation_memory_mb "
         "(none when they fit; the step's metrics say how many: checkpointed_layers); True: "
