@@ -83,6 +83,23 @@ def make_random_lora(base_path: Path, out: Path, seed: int = 1, r: int = 8) -> P
     return out
 
 
+def lora_trainer(base_path: Path):
+    """A one-process Trainer of ``base_path`` with a fresh r=4 LoRA whose B matrices are made
+    non-zero (seed 0): the adapter changes the logits, and A gets gradients too."""
+    import torch
+
+    from tracerl.backend.training.trainer import Trainer
+    from tracerl.core.config import LoraConfig
+
+    torch.manual_seed(0)
+    tr = Trainer(base_path, LoraConfig(r=4, alpha=8), device="cpu")
+    with torch.no_grad():
+        for name, p in tr.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    return tr
+
+
 @pytest.fixture(scope="session")
 async def tf_backend(tmp_path_factory):
     import tracerl

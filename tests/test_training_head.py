@@ -7,21 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import lora_trainer
 from tracerl.backend.training.head import chunk_tokens, head_logprobs
 from tracerl.backend.training.rows import NAN, Row
 from tracerl.backend.training.trainer import Trainer
-from tracerl.core.config import LoraConfig, TrainConfig
+from tracerl.core.config import TrainConfig
 
 
 @pytest.fixture(scope="module")
 def trainer(smollm2_path):
-    torch.manual_seed(0)
-    tr = Trainer(smollm2_path, LoraConfig(r=4, alpha=8), device="cpu")
-    with torch.no_grad():  # non-zero B: the adapter changes the logits, A gets gradients
-        for name, p in tr.model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.02)
-    return tr
+    return lora_trainer(smollm2_path)
 
 
 def _rows() -> list[Row]:
