@@ -25,6 +25,7 @@ from pathlib import Path
 import tracerl
 from tracerl.report import write_comparison
 from tracerl.tasks import get_task, train_task
+from tracerl.tasks.runner import TaskRun
 
 
 async def one_seed(args: argparse.Namespace, seed: int) -> dict[str, object]:
@@ -36,17 +37,34 @@ async def one_seed(args: argparse.Namespace, seed: int) -> dict[str, object]:
     try:
         await model.register(backend)
         config = tracerl.TrainConfig(learning_rate=args.lr or task.learning_rate,
-                                     loss_fn=args.loss_fn, beta=args.beta, seed=seed)
-        run = await train_task(task, model, steps=args.steps, seed=seed,
-                               eval_every=args.eval_every, eval_n=args.eval_n,
-                               group_size=args.group_size, items_per_step=args.items,
-                               config=config)
+                                     loss_fn=args.loss_fn, beta=args.beta, seed=seed,
+                                     epsilon_high=args.epsilon_high, credit=args.credit,
+                                     warmup_steps=args.warmup_steps)
+        dynamic = (tracerl.DynamicSampling(max_draw_factor=args.dynamic_sampling)
+                   if args.dynamic_sampling else None)
+        run = TaskRun()
+        # trained to each evaluation in turn (train_task goes on from the model's step), the
+        # seed's results so far written after each: a run cut short keeps its finished points
+        for upto in range(args.eval_every, args.steps + args.eval_every, args.eval_every):
+            part = await train_task(task, model, steps=min(upto, args.steps), seed=seed,
+                                    eval_every=args.eval_every, eval_n=args.eval_n,
+                                    group_size=args.group_size, items_per_step=args.items,
+                                    config=config, dynamic_sampling=dynamic)
+            run.evals.update(part.evals)
+            run.train_success += part.train_success
+            run.sampling += part.sampling
+            run.seconds += part.seconds
+            Path(f"{args.out}.seed{seed}.json").write_text(json.dumps(summarise(run, seed)))
     finally:
         await backend.close()
-    return {"seed": seed, "model_dir": str(backend.store(model).root),
+    return {**summarise(run, seed), "model_dir": str(backend.store(model).root)}
+
+
+def summarise(run: TaskRun, seed: int) -> dict[str, object]:
+    return {"seed": seed,
             "held_out": {str(s): round(run.success(s), 4) for s in sorted(run.evals)},
             "train_success": [round(x, 4) for x in run.train_success],
-            "seconds": round(run.seconds, 1)}
+            "sampling": run.sampling, "seconds": round(run.seconds, 1)}
 
 
 def markdown(task: str, results: list[dict]) -> str:
@@ -79,6 +97,11 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--loss-fn", default="ppo", choices=["ppo", "cispo"])
     ap.add_argument("--beta", type=float, default=0.0, help="KL penalty")
+    ap.add_argument("--epsilon-high", type=float, default=None, help="clip-higher (DAPO: 0.28)")
+    ap.add_argument("--warmup-steps", type=int, default=0)
+    ap.add_argument("--credit", default="rollout", choices=["rollout", "turn"])
+    ap.add_argument("--dynamic-sampling", type=float, default=0.0, metavar="FACTOR",
+                    help="DAPO's dynamic sampling with this max_draw_factor (0: off)")
     ap.add_argument("--engine", default="transformers")
     ap.add_argument("--base-model", default="smollm2")
     ap.add_argument("--path", default=None, help="backend folder (default: a new temp folder)")

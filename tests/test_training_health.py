@@ -79,10 +79,11 @@ def test_same_weights_give_no_engine_kl_warning(unhealthy_step):
     ({"prefix_mismatch_fraction": 0.5, "unspliced_turns": 3, "new_conversations": 1},
      "in 50% of turns (3 the gateway did not splice; 1 that started a conversation of their "
      "own (subagents)): see each call's metadata['turn']['why']"),
-    ({"groups": 4, "skipped_groups": 3, "sampled_entropy": 0.01},
-     "entropy collapse: the sampled tokens' entropy fell to 0.01 nats/token while 3 of 4 "
-     "groups had equal rewards: the policy collapsed onto one answer: keep entropy up with "
-     "clip-higher"),
+    ({"groups": 4, "skipped_groups": 3, "sampled_entropy": 0.01, "sampled_entropy_start": 0.6},
+     "entropy collapse: the sampled tokens' entropy fell to 0.01 nats/token (from 0.6 at the "
+     "adapter's first step) while 3 of 4 groups had equal rewards: the policy collapsed onto "
+     "one answer: keep entropy up with clip-higher"),
+
     ({"groups": 4, "skipped_groups": 0, "sampled_entropy": 0.01}, None),
     ({"groups": 4, "identical_groups": 2, "skipped_groups": 1, "sampled_entropy": 0.8},
      "entropy collapse: 2 of 4 groups sampled the same completion in every rollout"),
@@ -96,6 +97,17 @@ def test_same_weights_give_no_engine_kl_warning(unhealthy_step):
 def test_warning_thresholds(metrics, expected):
     found = [str(w) for w in step_warnings(metrics)]
     assert (expected is None and not found) or any(expected in w for w in found), found
+
+
+def test_low_entropy_from_the_first_step_is_no_collapse():
+    """A small model can sample with little entropy from its first step (SmolLM2-135M on a
+    templated tool call: ~0.02 nats/token): a collapse is a fall from there, not a level."""
+    flat = {"groups": 4, "skipped_groups": 3, "sampled_entropy": 0.02}
+    assert not [w for w in step_warnings({**flat, "sampled_entropy_start": 0.022})
+                if w.item == "collapse"]
+    assert not [w for w in step_warnings(flat) if w.item == "collapse"]  # no baseline known
+    assert [w.item for w in step_warnings({**flat, "sampled_entropy_start": 0.5})
+            if w.item == "collapse"] == ["collapse"]
 
 
 async def test_an_entropy_collapse_is_measured_and_warned_with_its_fixes(tf_backend):
@@ -121,6 +133,8 @@ async def test_an_entropy_collapse_is_measured_and_warned_with_its_fixes(tf_back
          for item in range(2)], show_progress=False)
     metrics = await model.train(collapsed, config=tracerl.TrainConfig(learning_rate=1e-5))
     assert metrics["identical_groups"] == 2 and metrics["skipped_groups"] == 2, metrics
+    first_entropy = metrics["sampled_entropy"]  # the first step is its own baseline
+    assert metrics["sampled_entropy_start"] == first_entropy, metrics
     warnings = [str(w) for w in step_warnings(metrics) if w.item == "collapse"]
     assert warnings == [
         "entropy collapse: all 2 groups sampled the same completion in every rollout: the "
@@ -137,4 +151,5 @@ async def test_an_entropy_collapse_is_measured_and_warned_with_its_fixes(tf_back
     metrics = await model.train(healthy, config=tracerl.TrainConfig(learning_rate=1e-5))
     assert metrics["identical_groups"] == 0 and metrics["skipped_groups"] == 0, metrics
     assert metrics["sampled_entropy"] > 0.05 and metrics["entropy"] > 0.05, metrics
+    assert metrics["sampled_entropy_start"] == first_entropy, metrics  # from the history
     assert not [w for w in step_warnings(metrics) if w.item == "collapse"]

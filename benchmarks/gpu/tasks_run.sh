@@ -12,8 +12,23 @@ export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 python3 -m tracerl prepare-model smollm2 > /dev/null
-timeout "${RUN_TIMEOUT_S:-500}" python3 benchmarks/task_learning.py --task "${TASK:-tool-products}" \
-  --seeds ${SEEDS:-0 1 2} --steps "${STEPS:-20}" --eval-every "${EVAL_EVERY:-5}" \
-  --eval-n "${EVAL_N:-32}" --parallel --path /tmp/tl --out "$OUT/task-learning.json" ${EXTRA:-} \
-  2> "$OUT/task-learning.err" | tee "$OUT/task-learning.md" || { tail -40 "$OUT/task-learning.err"; exit 1; }
-for h in /tmp/tl/*/models/*/history.jsonl; do cp "$h" "$OUT/$(basename "$(dirname "$h")").history.jsonl"; done
+# one run, or two side by side (EXTRA_B: the second's arguments, e.g. an A/B of settings); each
+# seed's points so far are written after each evaluation (task-learning*.json.seedN.json), and
+# the histories come back also when the run is cut short
+learn() {  # $1: name, $2: extra arguments
+  timeout "${RUN_TIMEOUT_S:-500}" python3 benchmarks/task_learning.py --task "${TASK:-tool-products}" \
+    --seeds ${SEEDS:-0 1 2} --steps "${STEPS:-20}" --eval-every "${EVAL_EVERY:-5}" \
+    --eval-n "${EVAL_N:-32}" --parallel --path "/tmp/tl-$1" --tag "$1" --out "$RES/$1.json" $2 \
+    2> "$RES/$1.err" > "$RES/$1.md" || { echo "run $1 failed or was cut short"; tail -20 "$RES/$1.err"; }
+}
+RES=/tmp/res; rm -rf $RES; mkdir -p $RES
+learn task-learning "${EXTRA:-}" &
+if [ -n "${EXTRA_B:-}" ]; then learn task-learning-b "$EXTRA_B" & fi
+wait
+cat $RES/*.md
+for h in /tmp/tl-*/*/models/*/history.jsonl; do
+  test -f "$h" && cp "$h" "$RES/$(basename "$(dirname "$h")").history.jsonl"
+done
+# at most 8 files come back from $OUT: the tables and logs, and everything in one archive
+cp $RES/*.md $RES/*.err "$OUT/" 2>/dev/null || true
+tar czf "$OUT/runs.tgz" -C $RES .

@@ -199,7 +199,8 @@ TRACERL_COLLAPSE_IDENTICAL_GROUPS = _declare(
 TRACERL_COLLAPSE_ENTROPY = _declare(
     "float", float, 0.05, TRAINING, "step health: nats per sampled token (the engine's "
     "logprobs, every completion of the step) under which a step where half its groups or more "
-    "had equal rewards warns of an entropy collapse; 0: never")
+    "had equal rewards warns of an entropy collapse, when its entropy also fell under half of "
+    "the adapter's first step's (sampled_entropy_start); 0: never")
 TRACERL_ONLINE_REWARD_TTL_S = _seconds(
     86400.0, TRAINING, "online mode: seconds a live call waits to be trained on (its feedback, "
     "then enough comparable calls for a group) before it expires, counted and never trained; "

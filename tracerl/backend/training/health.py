@@ -223,6 +223,17 @@ THRESHOLDS: dict[str, float] = {
 }
 
 
+def starting_entropy(history: Iterable[dict[str, Any]], current: float) -> float:
+    """The sampled tokens' entropy of the adapter's first logged training step (``current``
+    when this step is the first): the baseline an entropy collapse falls from. A small model
+    can sample with little entropy from the start (SmolLM2-135M on a templated tool call:
+    ~0.02 nats/token), which is no collapse."""
+    for h in history:
+        if h.get("split") == "train" and "sampled_entropy" in h:
+            return float(h["sampled_entropy"])
+    return current
+
+
 def collapse_thresholds() -> dict[str, float]:
     """The collapse warning's thresholds, from their settings (an entry of the same name in
     :data:`THRESHOLDS` wins): ``identical_groups`` (a fraction of the step's groups) and
@@ -328,9 +339,13 @@ def _learning_warnings(m: dict[str, Any], t: dict[str, float]) -> list[HealthWar
     return out
 
 
+COLLAPSE_FALL = 0.5  # an entropy collapse: under this share of the first step's entropy
+
+
 def _collapse_warning(m: dict[str, Any], t: dict[str, float]) -> HealthWarning | None:
     """The step's rollouts became identical within their groups, or its sampled tokens' entropy
-    fell under ``collapse_entropy`` while the rewards were flat (most groups equal)."""
+    fell under ``collapse_entropy`` and under half its value at the adapter's first step
+    (``sampled_entropy_start``) while the rewards were flat (most groups equal)."""
     groups = float(m.get("groups", 0) or 0)
     if not groups:
         return None
@@ -342,8 +357,10 @@ def _collapse_warning(m: dict[str, Any], t: dict[str, float]) -> HealthWarning |
                 else f"{identical:.0f} of {groups:.0f} groups")
         message = f"{seen} sampled the same completion in every rollout"
     elif (entropy is not None and float(entropy) < t["collapse_entropy"]
+          and float(entropy) < COLLAPSE_FALL * float(m.get("sampled_entropy_start", 0.0))
           and flat / groups >= 0.5):
-        message = (f"the sampled tokens' entropy fell to {float(entropy):.3g} nats/token while "
+        message = (f"the sampled tokens' entropy fell to {float(entropy):.3g} nats/token (from "
+                   f"{float(m['sampled_entropy_start']):.3g} at the adapter's first step) while "
                    f"{flat:.0f} of {groups:.0f} groups had equal rewards")
     else:
         return None

@@ -164,7 +164,11 @@ async def finish_step(step: int, policy: Policy, metrics: dict[str, float], *,
                       store: ModelStore, serving: Serving) -> None:
     """After the update: checkpoint ``step`` (with ``metrics``, and the health warnings they
     raise added to them), its history line, then publish it."""
-    # step health: warnings that name the cause and the fix (GRPO's metrics; none for SFT)
+    # step health: warnings that name the cause and the fix (GRPO's metrics; none for SFT); an
+    # entropy collapse is a fall from where the adapter's training started
+    if "sampled_entropy" in metrics:
+        metrics["sampled_entropy_start"] = health.starting_entropy(
+            store.history(), metrics["sampled_entropy"])
     metrics["health_warnings"] = float(len(health.log_warnings(step, metrics)))
     # 6. atomic checkpoint: the folder appears whole, or not at all, with the step's metrics in
     #    it, so that a crash before the history line is written loses nothing
