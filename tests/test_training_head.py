@@ -32,11 +32,12 @@ def _rows() -> list[Row]:
     return out
 
 
-def _step_parts(trainer: Trainer, fused: bool, config: TrainConfig
+def _step_parts(trainer: Trainer, fused: bool, config: TrainConfig, padding_mask: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Logprobs and entropy [B, L] of the rows' trained tokens, the step's metrics' loss and
-    the LoRA gradients, by one path."""
+    the LoRA gradients, by one path (and with or without the padding mask)."""
     trainer.fused_head = fused
+    trainer.causal_without_padding_mask = not padding_mask
     try:
         t = trainer.tensors(_rows())
         trainer.model.zero_grad(set_to_none=True)
@@ -47,7 +48,7 @@ def _step_parts(trainer: Trainer, fused: bool, config: TrainConfig
         grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()
                  if p.requires_grad and p.grad is not None}
     finally:
-        trainer.fused_head = True
+        trainer.fused_head, trainer.causal_without_padding_mask = True, True
     assert entropy is not None
     m = t["mask"]
     return logp[m], entropy[m], torch.tensor(metrics["loss"]), grads
@@ -67,6 +68,25 @@ def test_chunked_head_equals_the_full_logits(trainer):
     assert old[3].keys() == new[3].keys() and len(old[3]) > 0
     for name, grad in old[3].items():
         torch.testing.assert_close(new[3][name], grad, atol=1e-7, rtol=2e-4, msg=name)
+
+
+def test_padded_rows_need_no_padding_mask(trainer):
+    """Right-padded rows in a causal model: no real token attends to a pad, so attention
+    without the padding mask (plain causal, sdpa's flash path) gives the trained tokens the
+    same logprobs, entropy, loss and gradients as the masked attention; the mask is what the
+    model gets only where asked."""
+    config = TrainConfig(beta=0.05)
+    trainer.prepare(config)
+    t = trainer.tensors(_rows())
+    assert trainer.padding_mask(t) is None and not bool(t["attention_mask"].all())  # padded
+    masked = _step_parts(trainer, True, config, padding_mask=True)
+    causal = _step_parts(trainer, True, config)
+    torch.testing.assert_close(causal[0], masked[0], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(causal[1], masked[1], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(causal[2], masked[2], atol=1e-6, rtol=1e-5)
+    assert masked[3].keys() == causal[3].keys() and len(masked[3]) > 0
+    for name, grad in masked[3].items():
+        torch.testing.assert_close(causal[3][name], grad, atol=1e-7, rtol=2e-4, msg=name)
 
 
 def test_head_logprobs_match_cross_entropy_across_chunks():

@@ -76,6 +76,11 @@ class Policy(Rendering):
     # the head's logprobs in chunks (``head.py``); False: through the full logits, as before
     # (``benchmarks/step_memory.py`` compares the two)
     fused_head = True
+    # rows are right-padded, so in a causal model no real token attends to a pad: the padding
+    # mask changes only the pads' own outputs (never trained on). Without it attention runs as
+    # plain causal attention (sdpa's flash kernel on CPU and CUDA instead of its masked path:
+    # benchmarks/train_step_mfu.py); False passes the mask, as before
+    causal_without_padding_mask = True
 
     def __init__(self, model: Any, tokenizer: Any, lora: LoraConfig, *, device: torch.device,
                  dtype: torch.dtype, adapter_name: str = "default",
@@ -218,7 +223,7 @@ class Policy(Rendering):
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.device.type == "cuda"):
             out = self.forward_model(
                 input_ids=t["input_ids"],
-                attention_mask=t["attention_mask"],
+                attention_mask=self.padding_mask(t),
                 logits_to_keep=int(t["keep"]),
                 use_cache=False,
             )  # no KV cache in training
@@ -229,8 +234,19 @@ class Policy(Rendering):
         same autocast as :meth:`logits`."""
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.device.type == "cuda"):
             out = self.model.get_base_model().get_decoder()(
-                input_ids=t["input_ids"], attention_mask=t["attention_mask"], use_cache=False)
+                input_ids=t["input_ids"], attention_mask=self.padding_mask(t), use_cache=False)
         return out.last_hidden_state
+
+    def padding_mask(self, t: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The micro-batch's padding mask for the model, or None where causal attention alone
+        gives its real tokens the same outputs (:attr:`causal_without_padding_mask`; peft's
+        models, whose attention is sdpa or eager: FlashAttention-2 unpads by the mask, and
+        Unsloth's kernels are its own)."""
+        attention = getattr(self.model.get_base_model().config, "_attn_implementation", None)
+        if (self.causal_without_padding_mask and self.backend == "peft"
+                and attention in ("sdpa", "eager")):
+            return None
+        return t["attention_mask"]
 
     def output_head(self) -> torch.nn.Linear | None:
         """The frozen linear head :meth:`logprobs` projects in chunks, or None where the full
