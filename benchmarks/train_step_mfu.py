@@ -39,7 +39,8 @@ time in GEMMs, attention, other ops (the top ones named), the optimizer, and out
 ``eager`` (``eager`` attention instead of ``sdpa``); ``old-logprobs`` (rows without engine
 logprobs: the ``fill_old_logprobs`` pass runs); ``kl`` (``beta=0.04``: the reference pass runs);
 ``peft-lora`` (peft's own LoRA layers, as before ``training/fused_lora.py``: before/after in
-one run).
+one run); ``padding-mask`` (the padding mask passed to attention, as before the rows went
+through plain causal attention: ``Trainer.causal_without_padding_mask``).
 """
 
 from __future__ import annotations
@@ -155,9 +156,12 @@ def variant(name: str, trainer: Any, threads: int) -> Iterator[None]:
         trainer.model.set_attn_implementation("eager")
     elif name == "peft-lora":
         fused_lora.uninstall(trainer.model)
+    elif name == "padding-mask":
+        trainer.causal_without_padding_mask = False
     try:
         yield
     finally:
+        trainer.causal_without_padding_mask = True
         torch.set_num_threads(threads)
         trainer.model.set_attn_implementation("sdpa")
         fused_lora.install(trainer.model)
