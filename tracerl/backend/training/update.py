@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ...core import settings
 from ...core.config import TrainConfig
 from .loss import grpo_per_token_loss, reduce_loss
 from .rows import Row
@@ -100,7 +101,7 @@ def optimize(policies: Sequence[UpdatedPolicy], rows: Sequence[list[Row]], confi
     ``mixed``: micro-batches mix rows of different adapters (routed per row); else (the
     default, measured faster on CPU: ``benchmarks/many_adapters.py``) each micro-batch holds
     one adapter's rows. Returns each policy's step metrics."""
-    with released_memory(policies[0].device):
+    with released_memory(policies[0].device), bounded_heap(policies[0].device):
         try:
             for policy, own in zip(policies, rows, strict=True):
                 for row in own:
@@ -311,6 +312,37 @@ def return_freed_memory() -> None:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         except (OSError, AttributeError):  # not glibc (musl...): nothing to do
             pass
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+GLIBC_MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # where glibc's dynamic threshold stops rising (64-bit)
+
+
+def set_mmap_threshold(size: int) -> bool:
+    """glibc's mmap threshold (bytes; fixing it ends glibc's own adjustment); False where the
+    C library is not glibc."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, size))
+    except (OSError, AttributeError):
+        return False
+
+
+@contextlib.contextmanager
+def bounded_heap(device: torch.device) -> Iterator[None]:
+    """During a CPU step, big allocations (activations, the head's chunks) get memory maps of
+    their own that go back to the OS when freed, so the step's peak is what it holds at once,
+    not that plus the heap its earlier temporaries left behind
+    (``TRACERL_TRAIN_MMAP_THRESHOLD``)."""
+    threshold = settings.TRACERL_TRAIN_MMAP_THRESHOLD.get()
+    if device.type != "cpu" or threshold <= 0 or not set_mmap_threshold(threshold):
+        yield
+        return
+    try:
+        yield
+    finally:
+        set_mmap_threshold(GLIBC_MMAP_THRESHOLD_MAX)
 
 
 @contextlib.contextmanager
