@@ -13,6 +13,7 @@ seam of the update (:class:`~.update.UpdatedPolicy`): ``tensors``, ``logits``,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -154,9 +155,14 @@ class Policy(Rendering):
             g["lr"] = config.learning_rate_at(self.steps_done)
             g["weight_decay"] = config.weight_decay
         decision = self.checkpoint_plan(config, largest)
-        checkpointing.apply(self.model, decision.layers)
+        checkpointing.apply(self.model, decision.layers, self.recompute_context)
         self.model.train()
         return decision.as_metrics()
+
+    def recompute_context(self) -> tuple[Any, Any]:
+        """The contexts of a checkpointed layer's forward and of its recompute in the backward
+        pass (``checkpointing.apply``): one adapter's forward has no state to restore."""
+        return contextlib.nullcontext(), contextlib.nullcontext()
 
     def checkpoint_plan(self, config: TrainConfig, tokens: int) -> checkpointing.Plan:
         """The layers a micro-batch of ``tokens`` padded tokens checkpoints under ``config``:
