@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -158,6 +159,19 @@ class Policy(Rendering):
         checkpointing.apply(self.model, decision.layers, self.recompute_context)
         self.model.train()
         return decision.as_metrics()
+
+    @contextlib.contextmanager
+    def adapters_disabled(self) -> Iterator[None]:
+        """Forwards inside run the base model alone (the KL term's reference), and every
+        adapter trainable before stays so: peft's ``disable_adapter`` re-activates its active
+        adapter on exit, which freezes the others (on a shared base, the other models')."""
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        try:
+            with self.model.disable_adapter():
+                yield
+        finally:
+            for p in trainable:
+                p.requires_grad_(True)
 
     def recompute_context(self) -> tuple[Any, Any]:
         """The contexts of a checkpointed layer's forward and of its recompute in the backward
