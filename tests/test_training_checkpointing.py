@@ -150,9 +150,10 @@ def test_adapters_on_one_base_recompute_each_row_through_its_adapter(smollm2_pat
 
 
 def test_the_step_metrics_carry_the_decision(trainer):
-    """A step under 'auto' on CPU: small micro-batches fit the default budget."""
-    metrics = trainer.optimize(_rows(), TrainConfig(learning_rate=1e-9,
-                                                    gradient_checkpointing="auto"))
+    """A step of the default config ('auto') on CPU: small micro-batches fit the default
+    budget."""
+    assert TrainConfig().gradient_checkpointing == "auto"
+    metrics = trainer.optimize(_rows(), TrainConfig(learning_rate=1e-9))
     assert metrics["checkpointed_layers"] == 0
     assert metrics["activation_budget_mb"] == checkpointing.CPU_BUDGET_MB
     assert 0 < metrics["activation_estimate_mb"] < checkpointing.CPU_BUDGET_MB
