@@ -9,9 +9,11 @@ import torch
 
 from tests.conftest import lora_trainer
 from tracerl.backend.training import checkpointing
+from tracerl.backend.training.adapters import SharedBase
 from tracerl.backend.training.rows import NAN, Row
 from tracerl.backend.training.trainer import Trainer
-from tracerl.core.config import TrainConfig
+from tracerl.backend.training.update import accumulate_gradients
+from tracerl.core.config import LoraConfig, TrainConfig
 from tracerl.core.errors import ConfigError
 
 
@@ -107,10 +109,51 @@ def test_gradients_are_the_same_whatever_is_checkpointed(trainer):
         torch.testing.assert_close(partial[name], grad, atol=1e-7, rtol=1e-5, msg=name)
 
 
+def test_adapters_on_one_base_recompute_each_row_through_its_adapter(smollm2_path):
+    """The backend's CPU policies are adapters on a shared base, each row routed to its own
+    adapter in the forward: a checkpointed layer's recompute in the backward routes them the
+    same (it ran peft's unrouted LoRA forward: torch's CheckpointError, 79 tensors saved in the
+    forward, 58 in the recompute), and each adapter's gradients are those without
+    checkpointing; with the KL term's reference pass (adapters disabled) in between."""
+    torch.manual_seed(0)
+    shared = SharedBase(smollm2_path, LoraConfig(r=4, alpha=8), device="cpu")
+    a, b = shared.attach(None), shared.attach(None)
+    with torch.no_grad():  # B non-zero: each adapter changes its rows' logits
+        for name, p in shared.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    rows = _rows()
+    rows[0].adapter, rows[1].adapter = a.adapter_name, b.adapter_name  # one micro-batch, mixed
+    layer = shared.model.get_base_model().model.layers[0]
+    grads, calls = {}, [0]
+    hook = layer.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    try:
+        for mode in (False, True):
+            config = TrainConfig(gradient_checkpointing=mode, beta=0.1)
+            calls[0] = 0
+            assert a.prepare(config, 140)["checkpointed_layers"] == (30 if mode else 0)
+            shared.model.zero_grad(set_to_none=True)
+            accumulate_gradients(a, [rows], config, {a.adapter_name: 1.0, b.adapter_name: 1.0})
+            assert calls[0] == (3 if mode else 2)  # forward, reference pass, and the recompute
+            grads[mode] = {n: p.grad.clone() for n, p in shared.model.named_parameters()
+                           if p.grad is not None}
+    finally:
+        hook.remove()
+        a.prepare(TrainConfig(gradient_checkpointing=False))
+    # the reference passes left the other adapter trainable (peft's disable_adapter froze it)
+    assert all(p.requires_grad for p in b.trainable_parameters())
+    assert grads[True].keys() == grads[False].keys()
+    for policy in (a, b):  # both adapters trained (each by its own row)
+        assert any(f".{policy.adapter_name}." in n for n in grads[False])
+    for name, grad in grads[False].items():
+        torch.testing.assert_close(grads[True][name], grad, atol=1e-7, rtol=1e-5, msg=name)
+
+
 def test_the_step_metrics_carry_the_decision(trainer):
-    """A step under 'auto' on CPU: small micro-batches fit the default budget."""
-    metrics = trainer.optimize(_rows(), TrainConfig(learning_rate=1e-9,
-                                                    gradient_checkpointing="auto"))
+    """A step of the default config ('auto') on CPU: small micro-batches fit the default
+    budget."""
+    assert TrainConfig().gradient_checkpointing == "auto"
+    metrics = trainer.optimize(_rows(), TrainConfig(learning_rate=1e-9))
     assert metrics["checkpointed_layers"] == 0
     assert metrics["activation_budget_mb"] == checkpointing.CPU_BUDGET_MB
     assert 0 < metrics["activation_estimate_mb"] < checkpointing.CPU_BUDGET_MB

@@ -90,10 +90,11 @@ class TrainConfig(_Strict):
                             "per pass); more than 1 reuses the rollouts, off-policy after the "
                             "first")
     gradient_checkpointing: bool | Literal["auto"] = Field(
-        False, description="recompute activations in the backward pass instead of keeping "
+        "auto", description="recompute activations in the backward pass instead of keeping "
         "them: less memory, a slower step. 'auto': the fewest decoder layers that keep the "
         "step's largest micro-batch's estimated activations within activation_memory_mb "
-        "(none when they fit; the step's metrics say how many: checkpointed_layers); True: "
+        "(none when they fit: a step that fits runs as without checkpointing; the step's "
+        "metrics say how many: checkpointed_layers); True: "
         "every layer; False: none")
     activation_memory_mb: float | None = Field(
         None, gt=0, description="the activation memory budget of gradient_checkpointing='auto', "

@@ -33,10 +33,12 @@ from .update import optimize
 log = logging.getLogger(__name__)
 
 
-def _route(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], adapter_names: list[str]
-           ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Forward pre-hook of a LoRA layer: each row of the batch goes through its own adapter."""
-    kwargs["adapter_names"] = adapter_names
+def _route(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+           routing: list[list[str] | None]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Forward pre-hook of a LoRA layer: while ``routing[0]`` names an adapter per row, each
+    row of the batch goes through its own adapter."""
+    if routing[0] is not None:
+        kwargs["adapter_names"] = routing[0]
     return args, kwargs
 
 
@@ -50,6 +52,9 @@ class SharedBase(Rendering):
         self.lora = lora
         self._base: Any = load_base(model_path, self.device, self.dtype)
         self.model: Any = None  # the peft model, once the first adapter is attached
+        # the adapter of each row of the forwards running now (None: peft's active adapter),
+        # read by a pre-hook on every LoRA layer; a list, so that the hooks hold no SharedBase
+        self._routing: list[list[str] | None] = [None]
         self.policies: dict[str, AdapterPolicy] = {}
         self._names = itertools.count()
 
@@ -61,6 +66,7 @@ class SharedBase(Rendering):
         name = f"a{next(self._names)}"
         if self.model is None:
             self.model = get_peft_model(self._base, peft_config(self.lora), adapter_name=name)
+            self._install_routing()
         else:
             self.model.add_adapter(name, peft_config(self.lora))
         try:
@@ -89,20 +95,34 @@ class SharedBase(Rendering):
     def closed(self) -> bool:
         return self.model is None and self._base is None
 
-    @contextlib.contextmanager
-    def routed(self, adapter_names: list[str]) -> Iterator[None]:
-        """Forwards inside run row ``i`` through adapter ``adapter_names[i]``."""
+    def _install_routing(self) -> None:
+        """The routing pre-hook on every LoRA layer of the new peft model, for its lifetime
+        (``add_adapter`` adds to these layers)."""
         from peft.tuners.lora import LoraLayer
 
-        hook = functools.partial(_route, adapter_names=adapter_names)
-        handles = [m.register_forward_pre_hook(hook, with_kwargs=True)
-                   for m in self.model.modules()
-                   if isinstance(m, LoraLayer) and isinstance(m, torch.nn.Module)]
+        hook = functools.partial(_route, routing=self._routing)
+        for m in self.model.modules():
+            if isinstance(m, LoraLayer) and isinstance(m, torch.nn.Module):
+                m.register_forward_pre_hook(hook, with_kwargs=True)
+
+    @contextlib.contextmanager
+    def routed(self, adapter_names: list[str] | None) -> Iterator[None]:
+        """Forwards inside run row ``i`` through adapter ``adapter_names[i]`` (None: peft's
+        active adapter)."""
+        previous, self._routing[0] = self._routing[0], adapter_names
         try:
             yield
         finally:
-            for h in handles:
-                h.remove()
+            self._routing[0] = previous
+
+    def recompute_context(self) -> tuple[Any, Any]:
+        """torch checkpoint's ``context_fn`` (``checkpointing.apply``), called as a checkpointed
+        layer's forward starts: the recompute of that layer in the backward pass, after
+        :meth:`routed` has exited, routes each row to the adapter its forward did. Without it
+        the recompute ran peft's unrouted LoRA forward, which saves other tensors (torch's
+        CheckpointError: 79 saved in the forward, 58 in the recompute) and, routed to the
+        active adapter, would give other rows' adapters wrong gradients."""
+        return contextlib.nullcontext(), self.routed(self._routing[0])
 
 
 def adapter_parameters(model: Any, adapter_name: str) -> list[torch.nn.Parameter]:
@@ -148,6 +168,11 @@ class AdapterPolicy(Policy):
     def hidden(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
         with self.shared.routed([f"a{i}" for i in t["adapters"].tolist()]):
             return super().hidden(t)
+
+    def recompute_context(self) -> tuple[Any, Any]:
+        """A checkpointed layer's recompute routes rows as its forward did
+        (:meth:`SharedBase.recompute_context`)."""
+        return self.shared.recompute_context()
 
     def save(self, out_dir: Path) -> None:
         """The checkpoint a one-adapter Trainer writes: the adapter at the folder's top."""

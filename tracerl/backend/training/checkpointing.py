@@ -16,6 +16,7 @@ of them when none does; ``TrainConfig.gradient_checkpointing`` True or False ove
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,9 +93,13 @@ def default_budget_mb(device: Any) -> float:
     return CPU_BUDGET_MB
 
 
-def apply(model: Any, layers: int) -> None:
+def apply(model: Any, layers: int,
+          context_fn: Callable[[], tuple[Any, Any]] | None = None) -> None:
     """Checkpoint the first ``layers`` decoder layers of ``model`` (a transformers model, or
-    peft's around one) and no others; 0 turns checkpointing off."""
+    peft's around one) and no others; 0 turns checkpointing off. ``context_fn``: torch
+    checkpoint's, called as a checkpointed layer's forward starts, the contexts of that forward
+    and of its recompute in the backward pass (the state the forward ran under, which the
+    recompute must see again: torch counts the tensors each saves)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     if layers == 0:
@@ -102,7 +107,10 @@ def apply(model: Any, layers: int) -> None:
             model.gradient_checkpointing_disable()
         return
     # non-reentrant: the embeddings' output need not require a gradient (LoRA freezes them)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if context_fn is not None:
+        kwargs["context_fn"] = context_fn
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     blocks = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     for i, block in enumerate(blocks):
         block.gradient_checkpointing = i < layers

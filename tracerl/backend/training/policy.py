@@ -13,9 +13,11 @@ seam of the update (:class:`~.update.UpdatedPolicy`): ``tensors``, ``logits``,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -159,9 +161,27 @@ class Policy(Rendering):
             g["lr"] = config.learning_rate_at(self.steps_done)
             g["weight_decay"] = config.weight_decay
         decision = self.checkpoint_plan(config, largest)
-        checkpointing.apply(self.model, decision.layers)
+        checkpointing.apply(self.model, decision.layers, self.recompute_context)
         self.model.train()
         return decision.as_metrics()
+
+    @contextlib.contextmanager
+    def adapters_disabled(self) -> Iterator[None]:
+        """Forwards inside run the base model alone (the KL term's reference), and every
+        adapter trainable before stays so: peft's ``disable_adapter`` re-activates its active
+        adapter on exit, which freezes the others (on a shared base, the other models')."""
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        try:
+            with self.model.disable_adapter():
+                yield
+        finally:
+            for p in trainable:
+                p.requires_grad_(True)
+
+    def recompute_context(self) -> tuple[Any, Any]:
+        """The contexts of a checkpointed layer's forward and of its recompute in the backward
+        pass (``checkpointing.apply``): one adapter's forward has no state to restore."""
+        return contextlib.nullcontext(), contextlib.nullcontext()
 
     def checkpoint_plan(self, config: TrainConfig, tokens: int) -> checkpointing.Plan:
         """The layers a micro-batch of ``tokens`` padded tokens checkpoints under ``config``:

@@ -70,6 +70,11 @@ class UpdatedPolicy(Protocol):
         position's entropy), 0 off ``t['mask']``: what the loss and metrics read."""
         ...
 
+    def adapters_disabled(self) -> contextlib.AbstractContextManager[None]:
+        """Forwards inside run the base alone (the KL term's reference); each adapter stays
+        as trainable as it was."""
+        ...
+
     def fill_old_logprobs(self, batches: list[list[Row]]) -> None:
         """Rows without engine logprobs get the current policy's (an on-policy ratio of 1)."""
 
@@ -189,7 +194,7 @@ def _micro_batch(lead: UpdatedPolicy, batch: list[Row], config: TrainConfig,
     logp, entropy = lead.logprobs(t, entropy=sums is not None)
     ref = None
     if config.beta > 0:  # the reference policy: the base without the adapters
-        with torch.no_grad(), lead.model.disable_adapter():
+        with torch.no_grad(), lead.adapters_disabled():
             ref = lead.logprobs(t)[0]
     per_token, parts = grpo_per_token_loss(
         logp, t["old"], t["adv"], epsilon=config.epsilon, epsilon_high=config.epsilon_high,
