@@ -16,9 +16,6 @@ from .tasks.runner import train_task
 
 log = logging.getLogger(__name__)
 TASK = "tool-products"
-# one row at most per micro-batch (the task's context is 1,024 tokens): at 4,096 a step of this
-# agent peaked 12-13 GB above the process's baseline on CPU, past what a 16 GB laptop has
-CPU_MICRO_BATCH_TOKENS = 1024
 
 
 async def agent_demo(steps: int, engine: str, base_path: str, seed: int = 0,
@@ -41,8 +38,7 @@ async def agent_demo(steps: int, engine: str, base_path: str, seed: int = 0,
         run = await train_task(task, model, steps=steps, seed=seed, eval_every=max(steps // 2, 1),
                                eval_n=eval_n, group_size=group_size,
                                items_per_step=items_per_step,
-                               config=TrainConfig(learning_rate=task.learning_rate, seed=seed,
-                                                  micro_batch_tokens=CPU_MICRO_BATCH_TOKENS),
+                               config=TrainConfig(learning_rate=task.learning_rate, seed=seed),
                                show_progress=True)
     finally:
         await backend.close()
