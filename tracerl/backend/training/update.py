@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import math
 import sys
 from collections.abc import Iterator, Sequence
@@ -308,15 +309,26 @@ def _keep_trainer_logprobs(batch: list[Row], logp: torch.Tensor, width: int) -> 
                                 if row.loss_mask[j]]
 
 
+@functools.cache
+def glibc() -> Any | None:
+    """The process's glibc (its allocator's ``malloc_trim`` and ``mallopt``), or None where
+    the C library is another (musl...) or the platform not Linux: nothing to tune there."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        lib = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+    return lib if hasattr(lib, "malloc_trim") and hasattr(lib, "mallopt") else None
+
+
 def return_freed_memory() -> None:
     """Hand memory a step freed back to the OS. glibc keeps freed heap pages of the step's big
     temporaries (logits, activations): measured on CPU, the RSS of a process that trains grew by
     GBs per step (5.3 GiB after 2 demo steps, 14.5 GiB after 12) and stays ~1.6 GiB with this."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc (musl...): nothing to do
-            pass
+    lib = glibc()
+    if lib is not None:
+        lib.malloc_trim(0)
 
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
@@ -326,12 +338,8 @@ GLIBC_MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # where glibc's dynamic threshold s
 def set_mmap_threshold(size: int) -> bool:
     """glibc's mmap threshold (bytes; fixing it ends glibc's own adjustment); False where the
     C library is not glibc."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        return bool(ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, size))
-    except (OSError, AttributeError):
-        return False
+    lib = glibc()
+    return lib is not None and bool(lib.mallopt(M_MMAP_THRESHOLD, size))
 
 
 @contextlib.contextmanager
