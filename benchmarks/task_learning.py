@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -34,6 +35,9 @@ async def one_seed(args: argparse.Namespace, seed: int) -> dict[str, object]:
     model = tracerl.TrainableModel(name=f"{args.task}-{args.tag}-seed{seed}",
                                    project="task-learning", base_model=args.base_model,
                                    config=task.model_config())
+    if args.dtype != "auto":  # sampling and training in one precision
+        model.config.engine.dtype = args.dtype
+        os.environ["TRACERL_TRAIN_DTYPE"] = args.dtype
     try:
         await model.register(backend)
         config = tracerl.TrainConfig(learning_rate=args.lr or task.learning_rate,
@@ -103,6 +107,8 @@ def main() -> None:
     ap.add_argument("--dynamic-sampling", type=float, default=0.0, metavar="FACTOR",
                     help="DAPO's dynamic sampling with this max_draw_factor (0: off)")
     ap.add_argument("--engine", default="transformers")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="the engine's and the trainer's dtype (auto: bf16 on CUDA, fp32 on CPU)")
     ap.add_argument("--base-model", default="smollm2")
     ap.add_argument("--path", default=None, help="backend folder (default: a new temp folder)")
     ap.add_argument("--tag", default=time.strftime("%H%M%S"))

@@ -146,7 +146,7 @@ def test_eval_of_a_folder_that_is_no_model(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)  # 6 steps of 18 tool-agent rollouts and 3 evaluations on CPU
+@pytest.mark.timeout(1200)  # 3 steps of 18 tool-agent rollouts and 2 evaluations on CPU
 async def test_agent_demo_learns_to_use_the_tool(tmp_path):
     """``tracerl demo --task agent``: the LangGraph agent learns to call its tool with the
     question's numbers on held-out problems it never trained on (the base model never calls
@@ -154,8 +154,9 @@ async def test_agent_demo_learns_to_use_the_tool(tmp_path):
     final answer, reasoning-gym's full marks, is learnt in only some seeds: BENCHMARKS.md.)"""
     from tracerl.agent_demo import agent_demo
 
-    result = await agent_demo(steps=6, engine="transformers", base_path=str(tmp_path),
-                              group_size=6, items_per_step=3, eval_n=12)
+    # 3 steps: 0.00 -> 1.00 held-out success at step 3 in 4 of 4 seeds (BENCHMARKS.md)
+    result = await agent_demo(steps=3, engine="transformers", base_path=str(tmp_path),
+                              group_size=6, items_per_step=3, eval_n=12, eval_every=3)
     base, last = result["held_out"][0], result["held_out"][max(result["held_out"])]
     assert base["metrics/tool_call_valid"] <= 0.2, result
     assert last["metrics/tool_call_valid"] >= base["metrics/tool_call_valid"] + 0.5, result

@@ -109,3 +109,16 @@ def test_head_logprobs_match_cross_entropy_across_chunks():
     torch.testing.assert_close(logp, ref.detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ent, -(full.exp() * full).sum(-1), atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(got, h.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_train_dtype_setting_names_the_policys_dtype(monkeypatch):
+    from tracerl.backend.training.trainer import training_device
+    from tracerl.core.errors import ConfigError
+
+    monkeypatch.delenv("TRACERL_TRAIN_DTYPE", raising=False)
+    assert training_device("cpu") == (torch.device("cpu"), torch.float32)
+    monkeypatch.setenv("TRACERL_TRAIN_DTYPE", "bfloat16")
+    assert training_device("cpu")[1] is torch.bfloat16
+    monkeypatch.setenv("TRACERL_TRAIN_DTYPE", "fp8")
+    with pytest.raises(ConfigError, match="TRACERL_TRAIN_DTYPE"):
+        training_device("cpu")

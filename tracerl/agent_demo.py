@@ -20,8 +20,9 @@ TASK = "tool-products"
 
 async def agent_demo(steps: int, engine: str, base_path: str, seed: int = 0,
                      group_size: int | None = None, items_per_step: int | None = None,
-                     eval_n: int = 24) -> dict[str, Any]:
-    """Train the tool agent for ``steps`` steps; returns the held-out evaluations by step."""
+                     eval_n: int = 24, eval_every: int | None = None) -> dict[str, Any]:
+    """Train the tool agent for ``steps`` steps; returns the held-out evaluations by step
+    (before training, every ``eval_every`` steps (default: half the steps) and at the end)."""
     import tracerl
 
     from .demo import quiet_third_party, write_plots
@@ -35,7 +36,7 @@ async def agent_demo(steps: int, engine: str, base_path: str, seed: int = 0,
           f"products, SmolLM2-135M ({engine} engine)", file=sys.stderr)
     try:
         await model.register(backend)
-        run = await train_task(task, model, steps=steps, seed=seed, eval_every=max(steps // 2, 1),
+        run = await train_task(task, model, steps=steps, seed=seed, eval_every=eval_every or max(steps // 2, 1),
                                eval_n=eval_n, group_size=group_size,
                                items_per_step=items_per_step,
                                config=TrainConfig(learning_rate=task.learning_rate, seed=seed),

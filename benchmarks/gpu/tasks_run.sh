@@ -5,7 +5,8 @@
 set -euo pipefail
 test -f /tmp/gguf/part00 || { echo "call 2 did not run on this machine (cold start?)"; exit 3; }
 test -d /tmp/site/langgraph || { echo "call 1 did not run on this machine (cold start?)"; exit 3; }
-cat /tmp/gguf/part00 .gguf2/part01 > /tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
+test -f /tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf ||
+  cat /tmp/gguf/part00 .gguf2/part01 > /tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
 cd .gpu-snap
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
   TRACERL_SMOLLM2_GGUF_DIR=/tmp/gguf TRACERL_CACHE=/tmp/cache TRACERL_QUIET=1 TRACERL_DISABLE_UNSLOTH=1
@@ -21,11 +22,23 @@ learn() {  # $1: name, $2: extra arguments
     --eval-n "${EVAL_N:-32}" --parallel --path "/tmp/tl-$1" --tag "$1" --out "$RES/$1.json" $2 \
     2> "$RES/$1.err" > "$RES/$1.md" || { echo "run $1 failed or was cut short"; tail -20 "$RES/$1.err"; }
 }
-RES=/tmp/res; rm -rf $RES; mkdir -p $RES
-learn task-learning "${EXTRA:-}" &
-if [ -n "${EXTRA_B:-}" ]; then learn task-learning-b "$EXTRA_B" & fi
-wait
-cat $RES/*.md
+# The runs start in a process session of their own (setsid), which outlives this call while the
+# machine stays warm: a run longer than one call's 10 minutes is started by the first call and
+# collected by the next ones (the same command: it starts nothing when runs are under way).
+# WAIT_S: how long this call waits for the runs to end before it brings back what they have.
+RES=/tmp/res
+if [ ! -f $RES/started ]; then
+  rm -rf $RES; mkdir -p $RES; touch $RES/started
+  export -f learn; export RES
+  setsid bash -c 'learn task-learning "${EXTRA:-}" &
+    if [ -n "${EXTRA_B:-}" ]; then learn task-learning-b "$EXTRA_B" & fi
+    wait; touch $RES/done' > $RES/runs.log 2>&1 < /dev/null &
+fi
+deadline=$((SECONDS + ${WAIT_S:-540}))
+while [ ! -f $RES/done ] && [ $SECONDS -lt $deadline ]; do sleep 5; done
+test -f $RES/done && echo "runs ended" || echo "runs still going after ${WAIT_S:-540} s: call again"
+cat $RES/*.md $RES/runs.log 2>/dev/null || true
+for f in $RES/*.seed*.json; do test -f "$f" && echo "$(basename "$f"): $(head -c 300 "$f")"; done
 for h in /tmp/tl-*/*/models/*/history.jsonl; do
   test -f "$h" && cp "$h" "$RES/$(basename "$(dirname "$h")").history.jsonl"
 done

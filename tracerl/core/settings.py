@@ -192,6 +192,11 @@ TRACERL_MAX_UNKEYED = _declare(
 TRACERL_DISABLE_UNSLOTH = _on_off(
     False, TRAINING, "1: train with plain peft even where Unsloth is importable on CUDA (set "
     "for the distributed trainer's ranks)")
+TRACERL_TRAIN_DTYPE = _declare(
+    "one of auto, float32, bfloat16", _choice("auto", "float32", "bfloat16"), "auto", TRAINING,
+    "the trainer's base weights and compute dtype ('auto': bfloat16 on CUDA, float32 on CPU); "
+    "float32 on CUDA trains the same numbers as the CPU, for small models or an A/B of precision "
+    "(set the engine's `dtype` to match, so sampling and training compute one model)")
 TRACERL_TRAIN_MMAP_THRESHOLD = _declare(
     "int", int, 4 * 1024 * 1024, TRAINING, "bytes: during a training step on CPU, glibc "
     "serves allocations this large or larger with their own memory maps, handed back to the OS "

@@ -51,6 +51,9 @@ class Trainer(Policy):
 def training_device(device: str | None) -> tuple[torch.device, torch.dtype]:
     """The device a policy trains on (default: CUDA when there is one) and its weights' dtype."""
     torch_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    named = settings.TRACERL_TRAIN_DTYPE.get()
+    if named != "auto":
+        return torch_device, {"float32": torch.float32, "bfloat16": torch.bfloat16}[named]
     return torch_device, torch.bfloat16 if torch_device.type == "cuda" else torch.float32
 
 
