@@ -36,7 +36,8 @@ async def agent_demo(steps: int, engine: str, base_path: str, seed: int = 0,
           f"products, SmolLM2-135M ({engine} engine)", file=sys.stderr)
     try:
         await model.register(backend)
-        run = await train_task(task, model, steps=steps, seed=seed, eval_every=eval_every or max(steps // 2, 1),
+        run = await train_task(task, model, steps=steps, seed=seed,
+                               eval_every=eval_every or max(steps // 2, 1),
                                eval_n=eval_n, group_size=group_size,
                                items_per_step=items_per_step,
                                config=TrainConfig(learning_rate=task.learning_rate, seed=seed),
