@@ -54,7 +54,7 @@ async def test_off_policy_trains_train_items_and_evaluates_at_the_sync_steps(tf_
     assert await model.get_step() == 2
     assert sorted(run.evals) == [0, 2]  # base, every eval_every, the end: as the sync loop
     assert len(run.train_success) == len(run.pipeline) == 2
-    assert all(p["steps_off_policy_max"] <= 1 and p["pipeline/kept_groups"] >= 1
+    assert all(p["pipeline/steps_off_policy_max"] <= 1 and p["pipeline/kept_groups"] >= 1
                for p in run.pipeline)
     assert 0 < run.eval_seconds < run.seconds
     assert run.train_seconds == pytest.approx(run.seconds - run.eval_seconds)

@@ -95,7 +95,8 @@ class TaskRun:
     With ``off_policy``, rollouts go on during an evaluation: that overlap counts as
     evaluation time, so ``train_seconds`` leaves evaluation out and ``seconds`` includes it.
     ``pipeline`` holds each step's staleness metrics with ``off_policy`` (the pipeline's
-    ``pipeline/...`` metrics, ``dropped_stale`` and ``steps_off_policy_max``), else nothing."""
+    ``pipeline/...`` metrics: kept, dropped and held groups, the trainer's wait,
+    ``steps_off_policy_max`` and ``_mean``), else nothing."""
 
     evals: dict[int, dict[str, float]] = field(default_factory=dict)
     train_success: list[float] = field(default_factory=list)
@@ -195,8 +196,8 @@ async def _pipeline_steps(plan: _Plan, run: TaskRun, pipeline: RolloutPipeline[I
         async for t in trained:
             run.train_success.append(_success(finished))
             finished.clear()
-            run.pipeline.append({k: v for k, v in t.metrics.items() if k.startswith(
-                "pipeline/") or k in ("dropped_stale", "steps_off_policy_max")})
+            run.pipeline.append({k: v for k, v in t.metrics.items()
+                                 if k.startswith("pipeline/")})
             if plan.dynamic is not None:
                 run.sampling.append({k: v for k, v in t.metrics.items()
                                      if k.startswith("sampling/")})
