@@ -7,6 +7,11 @@ summary and a report of the curves with their spread (``tracerl report DIR DIR D
     PYTHONPATH=. .venv/bin/python benchmarks/task_learning.py --task tool-products \\
         --seeds 0 1 2 --steps 12 --eval-every 4 --eval-n 24
 
+``--off-policy B`` trains through the async pipeline (rollouts up to B steps ahead of the
+trainer; ``--staleness admit|drop``) instead of the synchronous loop. ``seconds`` is each
+seed's wall time, ``train s`` (``train_seconds``) the part outside held-out evaluations
+(off-policy, rollouts overlapping an evaluation count as evaluation).
+
 The seeds run one after another (in parallel with ``--parallel`` on a machine with cores to
 spare: each is its own process). ``--engine`` is the engine (transformers on CPU; on a GPU,
 transformers or vllm).
@@ -38,6 +43,9 @@ async def one_seed(args: argparse.Namespace, seed: int) -> dict[str, object]:
     if args.dtype != "auto":  # sampling and training in one precision
         model.config.engine.dtype = args.dtype
         os.environ["TRACERL_TRAIN_DTYPE"] = args.dtype
+    if args.off_policy is not None:  # rollouts run while the trainer trains
+        model.config.engine.sleep_during_training = False
+        model.config.engine.resident_adapters = args.off_policy + 1
     try:
         await model.register(backend)
         config = tracerl.TrainConfig(learning_rate=args.lr or task.learning_rate,
@@ -48,16 +56,23 @@ async def one_seed(args: argparse.Namespace, seed: int) -> dict[str, object]:
                    if args.dynamic_sampling else None)
         run = TaskRun()
         # trained to each evaluation in turn (train_task goes on from the model's step), the
-        # seed's results so far written after each: a run cut short keeps its finished points
-        for upto in range(args.eval_every, args.steps + args.eval_every, args.eval_every):
+        # seed's results so far written after each: a run cut short keeps its finished points.
+        # Off-policy, one call: each call's pipeline would stop the rollouts running ahead.
+        ends = (range(args.eval_every, args.steps + args.eval_every, args.eval_every)
+                if args.off_policy is None else [args.steps])
+        for upto in ends:
             part = await train_task(task, model, steps=min(upto, args.steps), seed=seed,
                                     eval_every=args.eval_every, eval_n=args.eval_n,
                                     group_size=args.group_size, items_per_step=args.items,
-                                    config=config, dynamic_sampling=dynamic)
+                                    config=config, dynamic_sampling=dynamic,
+                                    off_policy=args.off_policy, staleness=args.staleness)
             run.evals.update(part.evals)
             run.train_success += part.train_success
             run.sampling += part.sampling
+            run.pipeline += part.pipeline
             run.seconds += part.seconds
+            run.eval_seconds += part.eval_seconds
+            run.train_seconds += part.train_seconds
             Path(f"{args.out}.seed{seed}.json").write_text(json.dumps(summarise(run, seed)))
     finally:
         await backend.close()
@@ -68,23 +83,25 @@ def summarise(run: TaskRun, seed: int) -> dict[str, object]:
     return {"seed": seed,
             "held_out": {str(s): round(run.success(s), 4) for s in sorted(run.evals)},
             "train_success": [round(x, 4) for x in run.train_success],
-            "sampling": run.sampling, "seconds": round(run.seconds, 1)}
+            "sampling": run.sampling, "pipeline": run.pipeline,
+            "seconds": round(run.seconds, 1), "train_seconds": round(run.train_seconds, 1),
+            "eval_seconds": round(run.eval_seconds, 1)}
 
 
 def markdown(task: str, results: list[dict]) -> str:
     steps = sorted({int(s) for r in results for s in r["held_out"]})
     head = "| seed | " + " | ".join("base" if s == 0 else f"step {s}" for s in steps) + \
-        " | seconds |"
-    rows = [head, "|" + "---|" * (len(steps) + 2)]
+        " | seconds | train s |"
+    rows = [head, "|" + "---|" * (len(steps) + 3)]
     for r in results:
         rows.append(f"| {r['seed']} | " + " | ".join(
             f"{r['held_out'].get(str(s), float('nan')):.2f}" for s in steps)
-            + f" | {r['seconds']:.0f} |")
+            + f" | {r['seconds']:.0f} | {r['train_seconds']:.0f} |")
     cells = []
     for s in steps:
         vals = [r["held_out"][str(s)] for r in results if str(s) in r["held_out"]]
         cells.append(f"{sum(vals) / len(vals):.2f} ({min(vals):.2f}-{max(vals):.2f})")
-    rows.append("| mean (min-max) | " + " | ".join(cells) + " | |")
+    rows.append("| mean (min-max) | " + " | ".join(cells) + " | | |")
     return f"held-out success, {task}:\n\n" + "\n".join(rows)
 
 
@@ -106,6 +123,11 @@ def main() -> None:
     ap.add_argument("--credit", default="rollout", choices=["rollout", "turn"])
     ap.add_argument("--dynamic-sampling", type=float, default=0.0, metavar="FACTOR",
                     help="DAPO's dynamic sampling with this max_draw_factor (0: off)")
+    ap.add_argument("--off-policy", type=int, default=None, metavar="B",
+                    help="async: train through RolloutPipeline with max_steps_off_policy=B "
+                         "(default: the synchronous loop)")
+    ap.add_argument("--staleness", default="admit", choices=["admit", "drop"],
+                    help="the pipeline's staleness policy (with --off-policy)")
     ap.add_argument("--engine", default="transformers")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="the engine's and the trainer's dtype (auto: bf16 on CUDA, fp32 on CPU)")
@@ -116,6 +138,8 @@ def main() -> None:
     ap.add_argument("--out", default="task-learning.json")
     ap.add_argument("--one-seed", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.off_policy is not None and args.off_policy < 0:
+        ap.error(f"argument --off-policy: must be >= 0, got {args.off_policy}")
     if args.path is None:
         import tempfile
 
