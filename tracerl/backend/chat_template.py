@@ -41,3 +41,25 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]],
         messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
     )
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def turn_end_ids(tokenizer: Any) -> set[int]:
+    """The special token the chat template closes an assistant turn with (ChatML's
+    ``<|im_end|>``, Llama 3's ``<|eot_id|>``...), found by rendering one assistant turn; empty
+    when the template has none or cannot render it. Generation must stop there whatever the
+    model's ``eos_token_id`` says: a config naming another end token (``<|endoftext|>``) lets
+    the model run past its turn's end into the next one."""
+    marker = "TRACERL_TURN_END_PROBE"
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}],
+            tokenize=False)
+    except Exception:  # a template that cannot render this turn has no answer here
+        return set()
+    if not isinstance(text, str) or marker not in text:
+        return set()
+    after = tokenizer.encode(text[text.rindex(marker) + len(marker):], add_special_tokens=False)
+    special = set(tokenizer.all_special_ids) | {
+        i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
+        if getattr(t, "special", False)}
+    return {after[0]} if after and after[0] in special else set()

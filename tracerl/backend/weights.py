@@ -61,6 +61,12 @@ def convert_smollm2(out: Path) -> Path:
         model.hf_quantizer = None  # type: ignore[assignment]  # nn.Module types it as a Tensor
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
+        # SmolLM2-Instruct ends its turns with <|im_end|> (its own repository's tokenizer and
+        # generation configs say so); some transformers versions read the GGUF's end token as
+        # <|endoftext|>, and a model served so runs past its turn's end (seen on a GPU machine:
+        # every answer "69112<|im_end|>\n", scored as a wrong answer)
+        tok.eos_token = "<|im_end|>"
+        tok.pad_token = tok.pad_token or "<|im_end|>"
         model.generation_config.eos_token_id = tok.eos_token_id
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)

@@ -31,7 +31,7 @@ from ...core.engine import (
 )
 from ...core.fingerprint import BASE, digest_if_readable, note_served
 from ...events.hookspecs import hookimpl
-from ..chat_template import apply_chat_template_override, render_prompt
+from ..chat_template import apply_chat_template_override, render_prompt, turn_end_ids
 from .generation_job import GenerationJob, ModelAccess, Results, TokenSink
 from .tool_parsers import PARSERS, content_before_tool_calls
 
@@ -60,6 +60,7 @@ class TransformersEngine(Engine):
         self._batcher_impl: Any = None  # a ContinuousBatcher (or StaticBatcher)
         self._batcher: asyncio.Task | None = None
         self._lock = threading.Lock()
+        self._stop_ids: set[int] | None = None  # _eos_ids(), once the tokenizer is loaded
         # seconds from each answered request's submission to its first sampled token
         self.first_token_waits: deque[float] = deque(maxlen=10_000)
 
@@ -88,6 +89,7 @@ class TransformersEngine(Engine):
         self.tokenizer = AutoTokenizer.from_pretrained(self.spec.model_path)
         self.tokenizer.padding_side = "left"
         apply_chat_template_override(self.tokenizer, self.spec.config.chat_template)
+        self._stop_ids = None
         model = AutoModelForCausalLM.from_pretrained(self.spec.model_path, dtype=dtype)
         # (the ignore: functools.wraps on PreTrainedModel.to makes mypy read the device as self)
         model.to("cuda" if cuda else "cpu").eval()  # type: ignore[arg-type]  # see above
@@ -212,11 +214,15 @@ class TransformersEngine(Engine):
         return results
 
     def _eos_ids(self) -> set[int]:
-        eos = self.model.generation_config.eos_token_id
-        ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids
+        """Where generation stops: the model's and the tokenizer's end tokens, and the chat
+        template's end of an assistant turn (see :func:`turn_end_ids`)."""
+        if self._stop_ids is None:
+            eos = self.model.generation_config.eos_token_id
+            ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+            if self.tokenizer.eos_token_id is not None:
+                ids.add(self.tokenizer.eos_token_id)
+            self._stop_ids = ids | turn_end_ids(self.tokenizer)
+        return self._stop_ids
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(
