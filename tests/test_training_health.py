@@ -153,3 +153,33 @@ async def test_an_entropy_collapse_is_measured_and_warned_with_its_fixes(tf_back
     assert metrics["sampled_entropy"] > 0.05 and metrics["entropy"] > 0.05, metrics
     assert metrics["sampled_entropy_start"] == first_entropy, metrics  # from the history
     assert not [w for w in step_warnings(metrics) if w.item == "collapse"]
+
+
+def test_completions_past_the_turn_end_are_counted_and_warned(smollm2_path):
+    """The GPU machine's engine stopped at ``<|endoftext|>`` instead of ``<|im_end|>``: its
+    answers were "69112<|im_end|>\\n". Such completions are counted against the template's turn
+    end; one that ends at the turn end is not."""
+    from transformers import AutoTokenizer
+
+    import tracerl
+    from tracerl.backend.chat_template import turn_end_ids
+    from tracerl.backend.training import health
+    from tracerl.core.trajectory import CompletionRecord, LLMCall
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    im_end, endoftext = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    answer = tok.encode("69112", add_special_tokens=False)
+    past = [*answer, im_end, *tok.encode("\n", add_special_tokens=False), endoftext]
+
+    def rollout(ids: list[int]) -> tracerl.Trajectory:
+        call = LLMCall(id=f"c{len(ids)}", completions=[CompletionRecord(token_ids=ids)])
+        return tracerl.Trajectory(messages_and_choices=[{"role": "user", "content": "x"}],
+                                  llm_calls=[call])
+
+    group = tracerl.TrajectoryGroup([rollout(past), rollout([*answer, im_end])])
+    counted = health.past_turn_end([group], turn_end_ids(tok))
+    assert counted == {"past_turn_end": 1.0}
+    (warning,) = [w for w in step_warnings({**counted, "completions": 2.0})
+                  if w.item == "past_turn_end"]
+    assert "1 of 2 completions went on past the chat template's end" in str(warning)
+    assert "eos_token_id" in warning.fix

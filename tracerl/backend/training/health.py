@@ -18,6 +18,8 @@ Every step logs these beside loss and reward (``history.jsonl``):
   differently from the engine's tokens (spliced turns are not rendered, so not compared);
 - ``engine_kl``: KL(engine || trainer) over the sampled tokens (k3 estimate, from the trainer);
 - ``length_clipped_fraction``: completions cut at ``max_tokens``;
+- ``past_turn_end``: completions that went on past the chat template's end of an assistant turn
+  (an engine stopping at another end token: the answer's text then holds ``<|im_end|>``...);
 - ``identical_groups``: groups whose rollouts all sampled the same completion tokens, and
   ``sampled_entropy``: the mean surprisal (-logprob, as the engine recorded it) of every sampled
   completion token of the step, trained or not (an estimate of the policy's per-token entropy;
@@ -78,6 +80,20 @@ def completion_clipping(groups: Iterable[TrajectoryGroup]) -> dict[str, float]:
                     clipped += completion.finish_reason == "length"
     return {"completions": float(total), "length_clipped": float(clipped),
             "length_clipped_fraction": clipped / total if total else 0.0}
+
+
+def past_turn_end(groups: Iterable[TrajectoryGroup], turn_end: set[int]) -> dict[str, float]:
+    """Recorded completions with tokens after the chat template's end of an assistant turn
+    (``turn_end``, :func:`~tracerl.backend.chat_template.turn_end_ids`): the engine did not
+    stop where the turn ends, and the agent got the end token's text in its answer."""
+    past = 0
+    for group in groups:
+        for trajectory in group:
+            for call in trajectory.llm_calls:
+                for completion in call.completions:
+                    ids = completion.token_ids
+                    past += any(i in turn_end for i in ids[:-1])
+    return {"past_turn_end": float(past)}
 
 
 def collapse(groups: Iterable[TrajectoryGroup]) -> dict[str, float]:
@@ -219,6 +235,7 @@ THRESHOLDS: dict[str, float] = {
     "template_mismatch_fraction": 0.01,
     "engine_kl": 0.05,                # nats per sampled token
     "length_clipped_fraction": 0.3,   # of completions
+    "past_turn_end": 1,               # completions that went on past their turn's end
     "fingerprint_mismatches": 1,      # calls served by other weights than they claim
 }
 
@@ -310,6 +327,15 @@ def step_warnings(m: dict[str, Any], thresholds: dict[str, float] | None = None
         value = float(m.get(item, 0) or 0)
         if value >= t[item]:
             out.append(HealthWarning(item, message.format(pct=_pct(value)), fix))
+    past = float(m.get("past_turn_end", 0) or 0)
+    if past >= t["past_turn_end"]:
+        out.append(HealthWarning(
+            "past_turn_end",
+            f"{past:.0f} of {m.get('completions', 0):.0f} completions went on past the chat "
+            "template's end of an assistant turn: the engine does not stop there, and the "
+            "answers hold the end token's text",
+            "make the model's generation_config.json eos_token_id list the turn's end token "
+            "(tracerl's transformers engine stops there itself; vLLM stops on the config's)"))
     wrong = float(m.get("fingerprint_mismatches", 0) or 0)
     if wrong >= t["fingerprint_mismatches"]:
         out.append(HealthWarning(

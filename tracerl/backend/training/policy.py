@@ -26,7 +26,7 @@ import torch
 
 from ...core.config import LoraConfig, TrainConfig
 from ...core.storage import OPTIMIZER_FILE
-from ..chat_template import render_prompt
+from ..chat_template import render_prompt, turn_end_ids
 from . import checkpointing
 from .head import CHUNK_ELEMENTS, head_logprobs
 from .loss import token_entropy, token_logprobs
@@ -58,6 +58,12 @@ class Rendering:
     ) -> list[int]:
         """Prompt token ids of ``messages`` under the served chat template."""
         return render_prompt(self.tokenizer, messages, tools)
+
+    def turn_end_ids(self) -> set[int]:
+        """The chat template's end of an assistant turn (:func:`turn_end_ids`), once."""
+        if not hasattr(self, "_turn_end"):
+            self._turn_end = turn_end_ids(self.tokenizer)
+        return self._turn_end
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]

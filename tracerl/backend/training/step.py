@@ -209,6 +209,7 @@ def step_rows(policy: Policy, groups: list[TrajectoryGroup], config: TrainConfig
     metrics = {**stats.as_metrics(), "groups": float(len(groups)),
                "skipped_groups": float(skipped_groups), **health.completion_clipping(groups),
                **health.collapse(groups),
+               **health.past_turn_end(groups, policy.turn_end_ids()),
                **health.template_mismatches(groups, policy.render)}
     metrics.update(health.ratios(metrics))  # step health: logged with the step's metrics
     return rows, metrics
