@@ -14,6 +14,8 @@
 #   2. carry [".gguf1"]: mkdir -p /tmp/gguf && cp .gguf1/part00 /tmp/gguf/ &&
 #                        bash benchmarks/gpu/install.sh .gguf1/tk2
 #   3. carry [".gguf2", ".gpu-snap"], timeout 600: bash .gpu-snap/benchmarks/gpu/tasks_run.sh
+#      (the runs outlive the call: the same command again, back to back, waits WAIT_S more and
+#      brings back what they have, so a run may take several calls; RUN_TIMEOUT_S bounds it)
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 for d in .tk1 .gguf1 .gguf2 .gpu-snap; do
