@@ -49,7 +49,7 @@ def turn_end_ids(tokenizer: Any) -> set[int]:
     when the template has none or cannot render it. Generation must stop there whatever the
     model's ``eos_token_id`` says: a config naming another end token (``<|endoftext|>``) lets
     the model run past its turn's end into the next one."""
-    marker = "TRACERL_TURN_END_PROBE"
+    marker = "TURN_END_PROBE_7F3A"
     try:
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}],

@@ -224,6 +224,19 @@ def ratios(metrics: dict[str, float]) -> dict[str, float]:
     }
 
 
+def _past_turn_end_warning(m: dict[str, Any], threshold: float) -> list[HealthWarning]:
+    past = float(m.get("past_turn_end", 0) or 0)
+    if past < threshold:
+        return []
+    return [HealthWarning(
+        "past_turn_end",
+        f"{past:.0f} of {m.get('completions', 0):.0f} completions went on past the chat "
+        "template's end of an assistant turn: the engine does not stop there, and the answers "
+        "hold the end token's text",
+        "make the model's generation_config.json eos_token_id list the turn's end token "
+        "(tracerl's transformers engine stops there itself; vLLM stops on the config's)")]
+
+
 # thresholds: a step over one of them logs a warning (configurable by assigning to this dict)
 THRESHOLDS: dict[str, float] = {
     "skipped_groups": 0.25,           # fraction of the step's groups
@@ -327,15 +340,7 @@ def step_warnings(m: dict[str, Any], thresholds: dict[str, float] | None = None
         value = float(m.get(item, 0) or 0)
         if value >= t[item]:
             out.append(HealthWarning(item, message.format(pct=_pct(value)), fix))
-    past = float(m.get("past_turn_end", 0) or 0)
-    if past >= t["past_turn_end"]:
-        out.append(HealthWarning(
-            "past_turn_end",
-            f"{past:.0f} of {m.get('completions', 0):.0f} completions went on past the chat "
-            "template's end of an assistant turn: the engine does not stop there, and the "
-            "answers hold the end token's text",
-            "make the model's generation_config.json eos_token_id list the turn's end token "
-            "(tracerl's transformers engine stops there itself; vLLM stops on the config's)"))
+    out.extend(_past_turn_end_warning(m, t["past_turn_end"]))
     wrong = float(m.get("fingerprint_mismatches", 0) or 0)
     if wrong >= t["fingerprint_mismatches"]:
         out.append(HealthWarning(
