@@ -72,7 +72,6 @@ async def one_seed(args: argparse.Namespace, seed: int) -> dict[str, object]:
             run.pipeline += part.pipeline
             run.seconds += part.seconds
             run.eval_seconds += part.eval_seconds
-            run.train_seconds += part.train_seconds
             Path(f"{args.out}.seed{seed}.json").write_text(json.dumps(summarise(run, seed)))
     finally:
         await backend.close()

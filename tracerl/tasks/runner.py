@@ -104,7 +104,10 @@ class TaskRun:
     pipeline: list[dict[str, float]] = field(default_factory=list)  # per step (off_policy)
     seconds: float = 0.0
     eval_seconds: float = 0.0
-    train_seconds: float = 0.0
+
+    @property
+    def train_seconds(self) -> float:
+        return self.seconds - self.eval_seconds
 
     def success(self, step: int) -> float:
         return self.evals[step].get("metrics/success", 0.0)
@@ -268,5 +271,4 @@ async def train_task(task: Task, model: Any, *, steps: int, seed: int = 0,
             if step % eval_every == 0 or step == steps:
                 run.evals[step] = await held_out(None, f"held-out after {step}")
     run.seconds = time.perf_counter() - started
-    run.train_seconds = run.seconds - run.eval_seconds
     return run

@@ -38,14 +38,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ...core import settings
 from ...core.storage import ModelStore, append_jsonl, atomic_write_text, read_jsonl
-from ...core.trajectory import TrajectoryGroup
+from ...core.trajectory import CompletionRecord, TrajectoryGroup
 from ..rollout_log import late_calls_path, pending_rollout_ids
 
 log = logging.getLogger(__name__)
@@ -69,15 +69,20 @@ class HealthWarning:
         return f"{self.message}: {self.fix}"
 
 
-def completion_clipping(groups: Iterable[TrajectoryGroup]) -> dict[str, float]:
-    """Recorded completions that stopped at ``max_tokens`` (``finish_reason == "length"``)."""
-    clipped = total = 0
+def _recorded_completions(groups: Iterable[TrajectoryGroup]) -> Iterator[CompletionRecord]:
+    """Every completion the gateway recorded for the groups' rollouts."""
     for group in groups:
         for trajectory in group:
             for call in trajectory.llm_calls:
-                for completion in call.completions:
-                    total += 1
-                    clipped += completion.finish_reason == "length"
+                yield from call.completions
+
+
+def completion_clipping(groups: Iterable[TrajectoryGroup]) -> dict[str, float]:
+    """Recorded completions that stopped at ``max_tokens`` (``finish_reason == "length"``)."""
+    clipped = total = 0
+    for completion in _recorded_completions(groups):
+        total += 1
+        clipped += completion.finish_reason == "length"
     return {"completions": float(total), "length_clipped": float(clipped),
             "length_clipped_fraction": clipped / total if total else 0.0}
 
@@ -86,13 +91,8 @@ def past_turn_end(groups: Iterable[TrajectoryGroup], turn_end: set[int]) -> dict
     """Recorded completions with tokens after the chat template's end of an assistant turn
     (``turn_end``, :func:`~tracerl.backend.chat_template.turn_end_ids`): the engine did not
     stop where the turn ends, and the agent got the end token's text in its answer."""
-    past = 0
-    for group in groups:
-        for trajectory in group:
-            for call in trajectory.llm_calls:
-                for completion in call.completions:
-                    ids = completion.token_ids
-                    past += any(i in turn_end for i in ids[:-1])
+    past = sum(any(i in turn_end for i in completion.token_ids[:-1])
+               for completion in _recorded_completions(groups))
     return {"past_turn_end": float(past)}
 
 
