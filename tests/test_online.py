@@ -2,7 +2,8 @@
 live rollout keyed by its response id; the feedback route validates before it writes, answers
 404 / 409 naming the id; calls expire by count and by age (counted); groups form by task key
 and a batch id retakes the same groups; the live-call log replays past a torn line and logs a
-recorded call it missed (a crash between the two writes)."""
+recorded call it missed (a crash between the two writes); the calls of one ``session`` (an
+agent's episode) are one rollout, rewarded once and trained as one trajectory."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import httpx
 import pytest
 
 import tracerl
+from tracerl.backend.gateway.rollout_api import build_groups
 from tracerl.backend.online.live_calls import LiveCalls, _ModelLive, events_path
 from tracerl.backend.online.loop import OnlineLoop, online_config
 from tracerl.core.errors import ConfigError
@@ -148,3 +150,47 @@ def test_a_bad_online_config_is_refused_naming_the_field():
         online_config('{"group_size": 1}')
     with pytest.raises(ConfigError, match="gates"):
         online_config({"gates": {"margn": 0.1}})
+
+
+async def test_a_sessions_calls_are_one_rollout_rewarded_once_and_trained_together(tf_backend):
+    backend, model, loop = await _online(tf_backend, "live-session", group_size=2)
+    store, live = backend.store(model), backend.live_calls
+
+    async def session_call(http: httpx.AsyncClient, session: str) -> str:
+        tags = {"task": "colors", "session": session}
+        r = await http.post("/chat/completions", headers={"x-tracerl-tags": json.dumps(tags)},
+                            json={"model": model.name, "max_tokens": 2, "temperature": 0.0,
+                                  "messages": [{"role": "user", "content": "Name a color."}]})
+        assert r.status_code == 200, r.text
+        return r.json()["id"]
+
+    async with _gateway(backend) as http:
+        episodes = {s: [await session_call(http, s) for _ in range(2)] for s in ("e1", "e2")}
+        views = [(await http.get(f"/feedback/{rid}")).json() for rid in episodes["e1"]]
+        assert views[0]["rollout_id"] == views[1]["rollout_id"] != (
+            await http.get(f"/feedback/{episodes['e2'][0]}")).json()["rollout_id"]
+        assert views[0]["rollout_id"].startswith("live-") and views[0]["task"] == "task:colors"
+        assert len(await model.fetch_calls(views[0]["rollout_id"])) == 2  # one record file
+        assert loop.status()["calls"] == 2  # two rollouts of two calls each
+        # the reward is the rollout's: posted to its last call, final for its first too
+        for i, (first, last) in enumerate(episodes.values()):
+            r = await http.post(f"/feedback/{last}", json={"reward": float(i)})
+            assert r.status_code == 200 and r.json()["reward"] == float(i), r.text
+            r = await http.post(f"/feedback/{first}", json={"reward": 0.5})
+            assert r.status_code == 409 and first in r.json()["error"]["message"]
+    assert live.ready(store, 2) == 1
+    (group,) = build_groups(live.take(store, 1, 2, "online-0001"), store, backend.call_store,
+                            backend.rollouts)
+    assert sorted(t.reward for t in group.trajectories) == [0.0, 1.0]
+    assert [len(t.llm_calls) for t in group.trajectories] == [2, 2]  # trained together
+
+    # a session's later call recorded but not logged (a crash between the two writes): logged
+    # from its record at the next start, under the session's rollout
+    path = store.calls_path(views[0]["rollout_id"])
+    record = json.loads(path.read_text().splitlines()[-1])
+    record["response"]["id"] = "chatcmpl-missed-turn"
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    state = _ModelLive(store)
+    assert state.by_response["chatcmpl-missed-turn"] == views[0]["rollout_id"]
+    assert len(state.calls) == 2

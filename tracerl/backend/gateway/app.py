@@ -144,8 +144,9 @@ class Gateway:
             served, engine_model, step = self.models.route(body.get("model"), who.rollout_id)
             if who.rollout_id is None and served.live is not None and \
                     not ModelName.parse(body["model"]).pinned:
-                # online mode: a plain call is a live rollout of its own (canary-routed by it)
-                who = Attribution(served.live(), who.tags)
+                # online mode: a plain call is a live rollout (canary-routed by it): its own,
+                # or its session's
+                who = Attribution(served.live(who.tags), who.tags)
                 served, engine_model, step = self.models.route(body["model"], who.rollout_id)
             check_request(endpoint, body,
                           max_model_len=served.engine.spec.config.max_model_len)

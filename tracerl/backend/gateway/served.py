@@ -70,8 +70,9 @@ class ServedModel:
     # set: why the model is not served (its release incumbent's checkpoint is gone); its calls
     # are 503s saying so, the other models are served (.releases.attach)
     unavailable: str | None = None
-    # set: online mode; each plain call is a live rollout with an id from it (online/live_calls)
-    live: Callable[[], str] | None = None
+    # set: online mode; each plain call is a live rollout with an id from it, given the call's
+    # tags (online/live_calls: a ``session`` tag names one rollout for several calls)
+    live: Callable[[dict[str, Any] | None], str] | None = None
 
     timeout_s: float = field(init=False)  # a call's deadline (EngineConfig.request_timeout_s)
 

@@ -26,6 +26,13 @@ skipped):
 
 A call's **task key** (what makes calls comparable in a group) is its ``x-tracerl-tags`` tag
 ``task`` when given, else a digest of its messages (the same prompt).
+
+An agent's episode spans several calls (a tool call, then the answer): tagged with the same
+``session`` (``{"task": ..., "session": "<the episode's id>"}``), they are one live rollout,
+``live-<digest of the session>``: the canary routes them to one version, each call's ``call``
+event maps its response id to that rollout, one feedback (keyed by any of them) is its reward,
+and it trains as one multi-call trajectory. It expires as rejected if any of its calls was
+served by a rolled-back version.
 """
 
 from __future__ import annotations
@@ -74,8 +81,13 @@ MAX_BODY_BYTES = 64 * 1024
 THUMBS = {"up": 1.0, "down": 0.0}
 
 
-def live_rollout_id() -> str:
-    return LIVE_PREFIX + uuid.uuid4().hex
+def live_rollout_id(tags: dict[str, Any] | None = None) -> str:
+    """A plain call's live rollout id: one of its own, or, for a call tagged ``session``, the
+    session's (every call of an agent's episode joins one rollout, which its reward is for)."""
+    session = (tags or {}).get("session")
+    if session is None:
+        return LIVE_PREFIX + uuid.uuid4().hex
+    return LIVE_PREFIX + hashlib.sha256(json.dumps(session).encode()).hexdigest()[:32]
 
 
 def events_path(store: ModelStore) -> Path:
@@ -97,15 +109,16 @@ class LiveCall:
     """One live call and what became of it."""
 
     rollout_id: str
-    response_id: str
+    response_id: str  # the first call's
     task: str
-    step: int | None
+    step: int | None  # the version that served the first call
     at: float
     reward: float | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     rewarded_at: float | None = None
     expired: str | None = None  # the reason
     taken: bool = False
+    steps: set[int | None] = field(default_factory=set)  # of every call (a session: several)
 
     @property
     def waiting(self) -> bool:
@@ -142,18 +155,21 @@ class _ModelLive(EventLog):
         """Calls recorded but not logged (a crash between the two writes): logged now."""
         calls_dir = self.store.root / "calls"
         for path in sorted(calls_dir.glob(LIVE_PREFIX + "*.jsonl")) if calls_dir.exists() else []:
-            if path.stem not in self.calls:
-                for record in read_jsonl(path)[:1]:
-                    event = call_event(LLMCall.model_validate(record))
-                    if event is not None:
-                        self.write(event)
+            for record in read_jsonl(path):
+                if (record.get("response") or {}).get("id") in self.by_response:
+                    continue
+                event = call_event(LLMCall.model_validate(record))
+                if event is not None:
+                    self.write(event)
 
     def _apply_event(self, e: dict[str, Any]) -> None:
         kind = e.get("event")
-        if kind == "call":
-            c = LiveCall(e["rollout_id"], e["response_id"], e["task"], e.get("step"), e["at"])
+        if kind == "call":  # a session's later call joins its rollout
+            c = self.calls.get(e["rollout_id"]) or LiveCall(
+                e["rollout_id"], e["response_id"], e["task"], e.get("step"), e["at"])
+            c.steps.add(e.get("step"))
             self.calls[c.rollout_id] = c
-            self.by_response[c.response_id] = c.rollout_id
+            self.by_response[e["response_id"]] = c.rollout_id
         elif kind == "feedback":
             c = self.calls[self.by_response[e["response_id"]]]
             c.reward, c.metrics, c.rewarded_at = float(e["reward"]), e.get("metrics") or {}, e["at"]
@@ -278,8 +294,8 @@ class LiveCalls:
             waiting = [c for c in state.calls.values() if c.waiting]
             doomed: dict[str, list[str]] = {"rejected": [], "ttl": [], "count": []}
             for c in waiting:
-                rejected = keep_steps is not None and c.step is not None and \
-                    c.step not in keep_steps
+                rejected = keep_steps is not None and any(
+                    step is not None and step not in keep_steps for step in c.steps)
                 reason = "rejected" if rejected else "ttl" if c.at < now - ttl_s else None
                 if reason:
                     doomed[reason].append(c.rollout_id)
