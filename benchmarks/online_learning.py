@@ -1,20 +1,35 @@
-"""Online learning on the demo's task (repeat a number) with simulated production traffic.
+"""Online learning with simulated production traffic: the demo's task (``--task repeat``:
+repeat a number) or a catalog agent that learns (``--task tool-products``, the default).
 
 A LocalBackend serves SmolLM2-135M-Instruct (transformers engine) in online mode
 (:class:`tracerl.backend.online.loop.OnlineLoop`). A traffic simulator calls it as a production
-service would: plain chat completions tagged ``task=repeat``, arriving on a simulated clock, each
-reward sent through the feedback route a random delay later (late rewards), a share of them
-never (they expire). The first candidate is trained on an inverted reward (a
-``tracerl_online_batch`` hook gives 1 for leaving the number out: it really learns the wrong
-thing); the gates should roll it back. Every ``--eval-every`` simulated minutes the incumbent
-answers held-out numbers greedily; the report is held-out success over simulated time, the
-release decisions, and the expiry counts.
+service would, on a simulated clock, each reward sent through the feedback route a random delay
+later (late rewards), a share of them never (they expire). An injected fault trains a bad
+candidate on an inverted reward; the gates should roll it back. Every ``--eval-every``
+simulated minutes the incumbent is evaluated greedily on held-out problems; the report is
+held-out success over simulated time, the release decisions, the failed production calls and
+the expiry counts.
+
+``--task repeat``: plain chat completions tagged ``task=repeat``; the first online batch gets
+``1 - number_reward`` (tests/online_bad_candidate_plugin.py).
+
+``--task tool-products``: the task's own LangGraph agent (tracerl/tasks/tool_products.py) on a
+plain ``ChatOpenAI`` pointed at the gateway: each episode (a tool call, then the answer) is
+tagged ``{"task": <the problem>, "session": <the episode>}``, so online mode keeps its calls as
+one rollout and groups ``--group-size`` episodes of one problem; its reward (the task's scorer,
+shaped) is posted to the episode's last response id. Problems come from the task's train
+split, each asked ``--asks`` times while ``--pool`` of them are open (popular questions); the
+held-out split is evaluated with :func:`tracerl.tasks.runner.evaluate`. The first
+``--bad-batches`` batches trained after the first promotion get ``1 - reward`` at
+``--bad-lr-factor`` times the learning rate (the injected bad candidate).
 
 The simulated clock runs ``--speedup`` times faster than the wall clock: an hour of traffic
 (``--sim-minutes 60``) with ``--speedup 6`` arrives in 10 real minutes; reward delays and the
 reward TTL are simulated minutes too (divided by the speedup on the wall clock).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/online_learning.py --sim-minutes 60 --speedup 6
+    PYTHONPATH=. .venv/bin/python benchmarks/online_learning.py --seed 0
+    PYTHONPATH=. .venv/bin/python benchmarks/online_learning.py --task repeat \
+        --sim-minutes 60 --speedup 6
 """
 
 from __future__ import annotations
@@ -168,32 +183,59 @@ async def _event() -> asyncio.Event:
     return asyncio.Event()
 
 
+TASK_DEFAULTS = {  # per --task: the defaults of the options that differ
+    "repeat": {"sim_minutes": 60.0, "speedup": 6.0, "calls_per_minute": 6.0, "group_size": 4,
+               "groups_per_step": 4, "learning_rate": 5e-3, "min_samples": 16, "margin": 0.15,
+               "concurrency": 8, "temperature": 0.5, "held_out": 16, "eval_every": 6.0,
+               "ttl_sim_minutes": 30.0},
+    "tool-products": {"sim_minutes": 1440.0, "speedup": 72.0, "calls_per_minute": 0.2,
+                      "group_size": 6, "groups_per_step": 3, "learning_rate": 1e-3,
+                      "min_samples": 8, "margin": 0.1, "concurrency": 6, "temperature": 1.0,
+                      "held_out": 12, "eval_every": 240.0, "ttl_sim_minutes": 720.0},
+}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sim-minutes", type=float, default=60.0, help="simulated traffic span")
-    p.add_argument("--speedup", type=float, default=6.0, help="simulated seconds per real one")
-    p.add_argument("--calls-per-minute", type=float, default=6.0,
-                   help="production calls per simulated minute")
+    p.add_argument("--task", choices=sorted(TASK_DEFAULTS), default="tool-products")
+    p.add_argument("--sim-minutes", type=float, help="simulated traffic span")
+    p.add_argument("--speedup", type=float, help="simulated seconds per real one")
+    p.add_argument("--calls-per-minute", type=float,
+                   help="production calls (episodes) per simulated minute")
     p.add_argument("--delay-min", type=float, default=1.0, help="reward delay, sim minutes")
     p.add_argument("--delay-max", type=float, default=20.0)
     p.add_argument("--no-feedback", type=float, default=0.1,
                    help="share of calls whose reward never comes")
-    p.add_argument("--ttl-sim-minutes", type=float, default=30.0,
+    p.add_argument("--ttl-sim-minutes", type=float,
                    help="TRACERL_ONLINE_REWARD_TTL_S, in simulated minutes")
-    p.add_argument("--group-size", type=int, default=4)
-    p.add_argument("--groups-per-step", type=int, default=4)
-    p.add_argument("--learning-rate", type=float, default=5e-3)
-    p.add_argument("--min-samples", type=int, default=16, help="gate: rewards per arm")
-    p.add_argument("--margin", type=float, default=0.15, help="gate: reward margin")
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--temperature", type=float, default=0.5, help="of production calls")
-    p.add_argument("--held-out", type=int, default=16)
-    p.add_argument("--eval-every", type=float, default=6.0, help="sim minutes")
+    p.add_argument("--group-size", type=int)
+    p.add_argument("--groups-per-step", type=int)
+    p.add_argument("--learning-rate", type=float)
+    p.add_argument("--min-samples", type=int, help="gate: rewards per arm")
+    p.add_argument("--margin", type=float, help="gate: reward margin")
+    p.add_argument("--concurrency", type=int)
+    p.add_argument("--temperature", type=float, help="of production calls")
+    p.add_argument("--held-out", type=int)
+    p.add_argument("--eval-every", type=float, help="sim minutes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--path", default=None)
     p.add_argument("--out", default=None, help="write the JSON report here too")
+    p.add_argument("--pool", type=int, default=4, help="tool-products: problems open at once")
+    p.add_argument("--asks", type=int, default=7, help="tool-products: episodes per problem")
+    p.add_argument("--bad-batches", type=int, default=1,
+                   help="tool-products: inverted batches after the first promotion")
+    p.add_argument("--bad-lr-factor", type=float, default=1.0,
+                   help="tool-products: the bad batches' learning rate, times --learning-rate")
     a = p.parse_args()
-    report = asyncio.run(run(a))
+    for key, value in TASK_DEFAULTS[a.task].items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+    if a.task == "tool-products":
+        from benchmarks.online_tool_agent import run as run_tool_agent
+
+        report = asyncio.run(run_tool_agent(a))
+    else:
+        report = asyncio.run(run(a))
     text = json.dumps(report, indent=1)
     if a.out:
         with open(a.out, "w") as f:

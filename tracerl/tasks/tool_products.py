@@ -51,14 +51,19 @@ def multiply(a: int, b: int) -> int:
     return a * b
 
 
-def _agent(model: Any, step: int | None, temperature: float) -> Any:
+def agent_with(llm: Any) -> Any:
+    """The task's agent (LangGraph ``create_agent`` with the ``multiply`` tool) on chat model
+    ``llm``: tracerl's (:func:`rollout`) or any ``ChatOpenAI`` (a production service's)."""
     from langchain.agents import create_agent
     from langchain_core.tools import tool
 
+    return create_agent(llm, tools=[tool(multiply)], system_prompt=SYSTEM)
+
+
+def _agent(model: Any, step: int | None, temperature: float) -> Any:
     from ..integrations.langchain import init_chat_model
 
-    llm = init_chat_model(model, step=step, temperature=temperature, max_tokens=40)
-    return create_agent(llm, tools=[tool(multiply)], system_prompt=SYSTEM)
+    return agent_with(init_chat_model(model, step=step, temperature=temperature, max_tokens=40))
 
 
 def _arguments(call: dict[str, Any]) -> tuple[int, int] | None:
@@ -104,32 +109,40 @@ def shaped_reward(score: float, metrics: dict[str, float]) -> float:
     return 0.5 * score + 0.2 * (metrics["tool_call_valid"] > 0) + 0.2 * metrics["right_arguments"]
 
 
-async def rollout(model: Any, item: Item, *, temperature: float = 1.0,
-                  step: int | None = None) -> Trajectory:
+async def play(agent: Any, item: Item, config: dict[str, Any] | None = None
+               ) -> tuple[list[dict[str, Any]], float, dict[str, float]]:
+    """One episode of ``agent`` (:func:`agent_with`) on ``item``: its messages (the in-context
+    examples left out once it finished), its reward and metrics (``success``: the scorer's full
+    marks). ``config`` goes to ``ainvoke`` too (callbacks ...)."""
     from langchain_core.messages import convert_to_openai_messages
     from langgraph.errors import GraphRecursionError
 
+    question = {"role": "user", "content": item.data["question"]}
+    try:
+        state = await agent.ainvoke({"messages": [*EXAMPLES, question]},
+                                    config={**(config or {}), "recursion_limit": 7})
+        messages = convert_to_openai_messages(state["messages"])
+        answer = messages[-1].get("content") or "" if messages else ""
+        finished = 1.0
+    except GraphRecursionError:  # the agent kept calling tools: a failed episode
+        messages, answer, finished = [question], "", 0.0
+    scored = score(item.data, answer if isinstance(answer, str) else "")
+    metrics = {"success": float(scored >= 1.0), "score": scored, "finished": finished,
+               **tool_metrics(messages[len(EXAMPLES):], operands(item.data))}
+    return (messages[len(EXAMPLES):] if finished else messages,
+            shaped_reward(scored, metrics), metrics)
+
+
+async def rollout(model: Any, item: Item, *, temperature: float = 1.0,
+                  step: int | None = None) -> Trajectory:
     from ..integrations.langchain import wrap_rollout
 
-    async def play() -> Trajectory:
-        agent = _agent(model, step, temperature)
-        question = {"role": "user", "content": item.data["question"]}
-        try:
-            state = await agent.ainvoke({"messages": [*EXAMPLES, question]},
-                                        config={"recursion_limit": 7})
-            messages = convert_to_openai_messages(state["messages"])
-            answer = messages[-1].get("content") or "" if messages else ""
-            finished = 1.0
-        except GraphRecursionError:  # the agent kept calling tools: a failed episode
-            messages, answer, finished = [question], "", 0.0
-        scored = score(item.data, answer if isinstance(answer, str) else "")
-        metrics = {"success": float(scored >= 1.0), "score": scored, "finished": finished,
-                   **tool_metrics(messages[len(EXAMPLES):], operands(item.data))}
-        return Trajectory(messages_and_choices=messages[len(EXAMPLES):] if finished else messages,
-                          reward=shaped_reward(scored, metrics), metrics=metrics,
+    async def episode() -> Trajectory:
+        messages, reward, metrics = await play(_agent(model, step, temperature), item)
+        return Trajectory(messages_and_choices=messages, reward=reward, metrics=metrics,
                           metadata={"item": item.key})
 
-    return await wrap_rollout(model, play)()
+    return await wrap_rollout(model, episode)()
 
 
 TASK = Task(name="tool-products", summary="multiply two numbers with a tool (LangGraph agent)",
