@@ -20,8 +20,8 @@ one rollout and groups ``--group-size`` episodes of one problem; its reward (the
 shaped) is posted to the episode's last response id. Problems come from the task's train
 split, each asked ``--asks`` times while ``--pool`` of them are open (popular questions); the
 held-out split is evaluated with :func:`tracerl.tasks.runner.evaluate`. The first
-``--bad-batches`` batches trained after the first promotion get ``1 - reward`` at
-``--bad-lr-factor`` times the learning rate (the injected bad candidate).
+``--bad-batches`` batches trained once a trained incumbent serves well (``--bad-after``) get
+``1 - reward`` at ``--bad-lr-factor`` times the learning rate (the injected bad candidate).
 
 The simulated clock runs ``--speedup`` times faster than the wall clock: an hour of traffic
 (``--sim-minutes 60``) with ``--speedup 6`` arrives in 10 real minutes; reward delays and the
@@ -188,10 +188,10 @@ TASK_DEFAULTS = {  # per --task: the defaults of the options that differ
                "groups_per_step": 4, "learning_rate": 5e-3, "min_samples": 16, "margin": 0.15,
                "concurrency": 8, "temperature": 0.5, "held_out": 16, "eval_every": 6.0,
                "ttl_sim_minutes": 30.0},
-    "tool-products": {"sim_minutes": 1440.0, "speedup": 72.0, "calls_per_minute": 0.2,
+    "tool-products": {"sim_minutes": 1440.0, "speedup": 72.0, "calls_per_minute": 0.15,
                       "group_size": 6, "groups_per_step": 3, "learning_rate": 1e-3,
                       "min_samples": 8, "margin": 0.1, "concurrency": 6, "temperature": 1.0,
-                      "held_out": 12, "eval_every": 240.0, "ttl_sim_minutes": 720.0},
+                      "held_out": 12, "eval_every": 360.0, "ttl_sim_minutes": 720.0},
 }
 
 
@@ -224,8 +224,10 @@ def main() -> int:
     p.add_argument("--asks", type=int, default=7, help="tool-products: episodes per problem")
     p.add_argument("--bad-batches", type=int, default=1,
                    help="tool-products: inverted batches after the first promotion")
-    p.add_argument("--bad-lr-factor", type=float, default=1.0,
+    p.add_argument("--bad-lr-factor", type=float, default=2.0,
                    help="tool-products: the bad batches' learning rate, times --learning-rate")
+    p.add_argument("--bad-after", type=float, default=0.3,
+                   help="tool-products: production success (last 12) that arms the fault")
     a = p.parse_args()
     for key, value in TASK_DEFAULTS[a.task].items():
         if getattr(a, key) is None:

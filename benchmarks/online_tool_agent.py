@@ -7,8 +7,9 @@ a production service would run it: its calls tagged ``{"task": <problem>, "sessi
 posted late to its last response id, a share never. The incumbent's held-out success is
 :func:`tracerl.tasks.runner.evaluate` on the task's test split, greedily, every
 ``--eval-every`` simulated minutes. The injected fault: the first ``--bad-batches`` online
-batches trained after the first promotion get ``1 - reward`` (at ``--bad-lr-factor`` times the
-learning rate); the gates should roll each back.
+batches trained once a trained incumbent serves production well (its last 12 episodes succeed
+``--bad-after`` or more) get ``1 - reward`` (at ``--bad-lr-factor`` times the learning rate);
+the gates should roll each back.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -39,20 +41,22 @@ from tracerl.tasks.runner import evaluate
 log = logging.getLogger("online_tool_agent")
 
 
-class InvertAfterPromotion:
-    """The injected fault: the first ``n`` online batches trained while the incumbent is a
-    trained version get ``1 - reward`` (the shaped reward is in [0, 1]), and their step the
-    learning rate times ``factor``."""
+class InvertAfterLearning:
+    """The injected fault: the first ``n`` online batches trained once the incumbent is a
+    trained version and ``armed()`` (production succeeds) get ``1 - reward`` (the shaped reward
+    is in [0, 1]), and their step the learning rate times ``factor``."""
 
-    def __init__(self, loop: OnlineLoop, n: int, factor: float) -> None:
-        self.loop, self.n, self.factor = loop, n, factor
+    def __init__(self, loop: OnlineLoop, n: int, factor: float,
+                 armed: Callable[[], bool]) -> None:
+        self.loop, self.n, self.factor, self.armed = loop, n, factor, armed
         self.inverted: list[int] = []
         self.lr = loop.config.train.learning_rate
 
     @tracerl.hookimpl
     def tracerl_online_batch(self, model: Any, step: int, groups: list[Any]) -> None:
         config = self.loop.config
-        if len(self.inverted) >= self.n or not self.loop.control.state().incumbent:
+        if len(self.inverted) >= self.n or not self.loop.control.state().incumbent \
+                or not self.armed():
             config.train = config.train.model_copy(update={"learning_rate": self.lr})
             return
         self.inverted.append(step)
@@ -116,14 +120,19 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
                                    config=tool_products.TASK.model_config())
     await model.register(backend)
     loop = OnlineLoop(backend, model, _config(a))
-    fault = InvertAfterPromotion(loop, a.bad_batches, a.bad_lr_factor)
+    out = Outcome()
+
+    def armed() -> bool:  # the last 12 production episodes succeed at least --bad-after
+        recent = [s for _, s in out.train_success[-12:]]
+        return len(recent) == 12 and sum(recent) / 12 >= a.bad_after
+
+    fault = InvertAfterLearning(loop, a.bad_batches, a.bad_lr_factor, armed)
     get_plugin_manager().register(fault, name="online-benchmark-fault")
     stop = await backend.call_on_gateway(_event())
     runner = asyncio.run_coroutine_threadsafe(loop.run(stop), backend.gateway_loop)
     n_calls = int(a.sim_minutes * a.calls_per_minute)
     traffic = Traffic(rng, a.seed, a.pool, a.asks, n_calls)
     sim = SimClock(a.speedup)
-    out = Outcome()
     async with httpx.AsyncClient(base_url=backend.base_url, timeout=600) as http:
         from langchain_openai import ChatOpenAI
 
