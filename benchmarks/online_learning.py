@@ -227,7 +227,8 @@ def main() -> int:
     p.add_argument("--bad-lr-factor", type=float, default=2.0,
                    help="tool-products: the bad batches' learning rate, times --learning-rate")
     p.add_argument("--bad-after", type=float, default=0.3,
-                   help="tool-products: production success (last 12) that arms the fault")
+                   help="tool-products: production success (last 12 episodes, and the batch's "
+                   "own) that arms the fault")
     a = p.parse_args()
     for key, value in TASK_DEFAULTS[a.task].items():
         if getattr(a, key) is None:

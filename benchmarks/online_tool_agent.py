@@ -8,8 +8,9 @@ posted late to its last response id, a share never. The incumbent's held-out suc
 :func:`tracerl.tasks.runner.evaluate` on the task's test split, greedily, every
 ``--eval-every`` simulated minutes. The injected fault: the first ``--bad-batches`` online
 batches trained once a trained incumbent serves production well (its last 12 episodes succeed
-``--bad-after`` or more) get ``1 - reward`` (at ``--bad-lr-factor`` times the learning rate);
-the gates should roll each back.
+``--bad-after`` or more), and whose own episodes succeed that often (a batch of failures,
+inverted, teaches next to nothing: 2 of 3 runs on 2026-12-07 before this rule), get ``1 -
+reward`` (at ``--bad-lr-factor`` times the learning rate); the gates should roll each back.
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ class InvertAfterLearning:
     is in [0, 1]), and their step the learning rate times ``factor``."""
 
     def __init__(self, loop: OnlineLoop, n: int, factor: float,
-                 armed: Callable[[], bool]) -> None:
+                 armed: Callable[[], bool], least_success: float) -> None:
         self.loop, self.n, self.factor, self.armed = loop, n, factor, armed
+        self.least_success = least_success  # of the batch itself: successes to unlearn
         self.inverted: list[int] = []
         self.lr = loop.config.train.learning_rate
 
@@ -56,7 +58,7 @@ class InvertAfterLearning:
     def tracerl_online_batch(self, model: Any, step: int, groups: list[Any]) -> None:
         config = self.loop.config
         if len(self.inverted) >= self.n or not self.loop.control.state().incumbent \
-                or not self.armed():
+                or not self.armed() or batch_success(groups) < self.least_success:
             config.train = config.train.model_copy(update={"learning_rate": self.lr})
             return
         self.inverted.append(step)
@@ -64,6 +66,13 @@ class InvertAfterLearning:
         for group in groups:
             for t in group.trajectories:
                 t.reward = 1.0 - t.reward
+
+
+def batch_success(groups: list[Any]) -> float:
+    """The share of a batch's episodes that succeeded (the ``success`` metric each feedback
+    carries): inverting a batch of failures teaches little, so the fault waits for successes."""
+    episodes = [t for g in groups for t in g.trajectories]
+    return sum(t.metrics.get("success", 0.0) for t in episodes) / max(len(episodes), 1)
 
 
 class ResponseIds(BaseCallbackHandler):
@@ -126,7 +135,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         recent = [s for _, s in out.train_success[-12:]]
         return len(recent) == 12 and sum(recent) / 12 >= a.bad_after
 
-    fault = InvertAfterLearning(loop, a.bad_batches, a.bad_lr_factor, armed)
+    fault = InvertAfterLearning(loop, a.bad_batches, a.bad_lr_factor, armed, a.bad_after)
     get_plugin_manager().register(fault, name="online-benchmark-fault")
     stop = await backend.call_on_gateway(_event())
     runner = asyncio.run_coroutine_threadsafe(loop.run(stop), backend.gateway_loop)
@@ -161,7 +170,8 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
                 out.feedback["never"] += 1
                 return
             await sim.at(sim.now() + rng.uniform(a.delay_min, a.delay_max))  # a late reward
-            f = await http.post(f"/feedback/{ids.ids[-1]}", json={"reward": reward})
+            f = await http.post(f"/feedback/{ids.ids[-1]}", json={
+                "reward": reward, "metrics": {"success": metrics["success"]}})
             out.feedback["sent" if f.status_code == 200 else f"refused {f.status_code}"] += 1
 
         async def evaluations() -> None:
