@@ -247,3 +247,22 @@ async def test_gateway_lets_more_than_100_requests_reach_vllm_at_once(vllm_backe
     # every call recorded, each answer once
     calls = await model.fetch_calls(ro.rollout_id)
     assert sorted(c.response["id"] for c in calls) == sorted(a.id for a in answers)
+
+
+def test_chat_requests_stop_at_the_chat_templates_turn_end(smollm2_path, tokenizer):
+    # vLLM stops at the configs' eos_token_id only; a config naming <|endoftext|> let SmolLM2's
+    # turns run on past <|im_end|> (the transformers engine, GPU machine, 2026-12-07)
+    engine = cpu_engine(smollm2_path)
+    assert engine.stopping_at_turn_end({"model": "x"}) == {"model": "x"}  # before start()
+    engine.find_turn_end()
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert engine.stopping_at_turn_end({"model": "x"})["stop_token_ids"] == [im_end]
+    assert engine.stopping_at_turn_end({"stop_token_ids": [7]})["stop_token_ids"] == [7, im_end]
+    assert engine.stopping_at_turn_end({"stop_token_ids": [im_end]})["stop_token_ids"] == [im_end]
+    assert "stop_token_ids" not in engine.stopping_at_turn_end({"ignore_eos": True})
+
+
+def test_no_turn_end_is_added_when_the_tokenizer_does_not_load(tmp_path):
+    engine = cpu_engine(tmp_path / "not-a-model")
+    engine.find_turn_end()  # logged, not raised: vLLM may serve what transformers cannot load
+    assert engine.stopping_at_turn_end({"model": "x"}) == {"model": "x"}

@@ -39,6 +39,8 @@ class URLEngine(VLLMEngine):
             self.connect()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + startup_timeout_s()
+        if not self._turn_end:
+            await asyncio.to_thread(self.find_turn_end)
         while not await self.healthy():
             if loop.time() > deadline:
                 raise EngineError(f"the server at {self.url} did not answer /health within "

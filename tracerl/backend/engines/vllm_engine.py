@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -36,9 +37,11 @@ from ...core.errors import EngineError
 from ...core.fingerprint import BASE, digest_if_readable, note_served
 from ...core.net import free_port, start_child, stop_process_group
 from ...events.hookspecs import hookimpl
-from ..chat_template import chat_template_path
+from ..chat_template import apply_chat_template_override, chat_template_path, turn_end_ids
 from . import token_prompts
 from .json_codec import loads
+
+log = logging.getLogger(__name__)
 
 
 def startup_timeout_s() -> float:
@@ -166,6 +169,7 @@ class VLLMEngine(Engine):
         # lora name -> digest of the files handed to /v1/load_lora_adapter, once it said 200
         self._digests: dict[str, str] = {}
         self._ready = False  # healthy and every adapter re-loaded
+        self._turn_end: list[int] = []  # the chat template's end of a turn (start() finds it)
         self._log = tempfile.NamedTemporaryFile(prefix="tracerl-vllm-", suffix=".log", delete=False)
         sleep = spec.config.sleep_during_training
         self.sleeps = _cuda_visible() if sleep is None else sleep
@@ -255,11 +259,36 @@ class VLLMEngine(Engine):
                                    env=env)
         self.connect(POOL_KEEP_ALIVE_S)
         try:
+            await asyncio.to_thread(self.find_turn_end)  # while the server loads
             await self._wait_until_healthy(self.process)
         except BaseException:  # exited, timed out or cancelled (Ctrl-C): no server left
             await asyncio.shield(self.stop())
             raise
         await self._serve_known_adapters()
+
+    def find_turn_end(self) -> None:
+        """Find the chat template's end of an assistant turn (:func:`turn_end_ids`), which
+        every chat request then stops at: vLLM stops at the configs' ``eos_token_id`` only, and
+        a config naming another end token (``<|endoftext|>``) lets a turn run on past its end.
+        A tokenizer that does not load leaves vLLM's own stopping (logged)."""
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(self.spec.model_path)
+            apply_chat_template_override(tokenizer, self.spec.config.chat_template)
+            self._turn_end = sorted(turn_end_ids(tokenizer))
+        except Exception as e:  # vLLM may serve what transformers cannot load
+            log.warning("no turn end to stop at for %s (vLLM stops at the configs' end token "
+                        "only): %s", self.spec.model_path, e)
+            self._turn_end = []
+
+    def stopping_at_turn_end(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Chat request ``body`` with the turn end among its ``stop_token_ids`` (as it was with
+        ``ignore_eos``, or no turn end known)."""
+        if not self._turn_end or body.get("ignore_eos"):
+            return body
+        ids = list(body.get("stop_token_ids") or [])
+        return {**body, "stop_token_ids": ids + [i for i in self._turn_end if i not in ids]}
 
     async def _wait_until_healthy(self, process: subprocess.Popen[bytes]) -> None:
         loop = asyncio.get_running_loop()
@@ -388,6 +417,7 @@ class VLLMEngine(Engine):
 
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         self._check_ready()
+        body = self.stopping_at_turn_end(body)
         before = self.served_digest(body.get("model", ""))
         if body.get(PROMPT_IDS) is not None:  # the gateway's exact turn: given, not rendered
             r = await self._post("/v1/completions", token_prompts.completion_request(
@@ -413,6 +443,7 @@ class VLLMEngine(Engine):
         if self.client is None:
             raise EngineUnavailableError("the vLLM server is not running")
         before = self.served_digest(body.get("model", ""))
+        body = self.stopping_at_turn_end(body)
         path, request, chunks = "/v1/chat/completions", body, None
         if body.get(PROMPT_IDS) is not None:  # the gateway's exact turn: given, not rendered
             path, chunks = "/v1/completions", token_prompts.ChatChunks(

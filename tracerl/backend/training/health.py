@@ -234,7 +234,8 @@ def _past_turn_end_warning(m: dict[str, Any], threshold: float) -> list[HealthWa
         "template's end of an assistant turn: the engine does not stop there, and the answers "
         "hold the end token's text",
         "make the model's generation_config.json eos_token_id list the turn's end token "
-        "(tracerl's transformers engine stops there itself; vLLM stops on the config's)")]
+        "(tracerl's engines stop there themselves, when the tokenizer loads; an engine "
+        "tracerl does not drive stops on the config's)")]
 
 
 # thresholds: a step over one of them logs a warning (configurable by assigning to this dict)
