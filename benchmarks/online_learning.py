@@ -166,10 +166,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         n_calls = int(a.sim_minutes * a.calls_per_minute)
         arrivals = sorted(rng.uniform(0, a.sim_minutes) for _ in range(n_calls))
         await asyncio.gather(evaluations(), *(production_call(m) for m in arrivals))
-    backend.gateway_loop.call_soon_threadsafe(stop.set)
-    await asyncio.wrap_future(runner)
-    records = loop.control.log.records()
-    status = loop.status()
+    records, status = await stop_online(backend, loop, stop, runner)
     await backend.close()
     return {"timeline": timeline, "failed_calls": len(failed), "failures": failed[:5],
             "feedback": feedback, "online": status, "inverted_step": fault.inverted,
@@ -177,6 +174,15 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
             "promoted": [r["step"] for r in records
                          if r["event"] == "commit" and r["action"] == "promote"],
             "wall_s": round(time.monotonic() - started, 1), "args": vars(a)}
+
+
+async def stop_online(backend: Any, loop: OnlineLoop, stop: asyncio.Event,
+                      runner: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Stop the online loop (its ``stop`` event, set on the gateway's loop), wait until it
+    ended, and return its release records and status."""
+    backend.gateway_loop.call_soon_threadsafe(stop.set)
+    await asyncio.wrap_future(runner)
+    return loop.control.log.records(), loop.status()
 
 
 async def _event() -> asyncio.Event:

@@ -192,10 +192,9 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
 
         arrivals = sorted(rng.uniform(0, a.sim_minutes) for _ in range(n_calls))
         await asyncio.gather(evaluations(), *(episode(m) for m in arrivals))
-    backend.gateway_loop.call_soon_threadsafe(stop.set)
-    await asyncio.wrap_future(runner)
-    records = loop.control.log.records()
-    status = loop.status()
+    from benchmarks.online_learning import stop_online
+
+    records, status = await stop_online(backend, loop, stop, runner)
     get_plugin_manager().unregister(name="online-benchmark-fault")
     await backend.close()
     return out.report(records, status, fault.inverted, sim, a)
