@@ -39,7 +39,7 @@ class URLEngine(VLLMEngine):
             self.connect()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + startup_timeout_s()
-        if not self._turn_end:
+        if self._turn_end is None:
             await asyncio.to_thread(self.find_turn_end)
         while not await self.healthy():
             if loop.time() > deadline:

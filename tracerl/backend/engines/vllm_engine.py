@@ -169,7 +169,8 @@ class VLLMEngine(Engine):
         # lora name -> digest of the files handed to /v1/load_lora_adapter, once it said 200
         self._digests: dict[str, str] = {}
         self._ready = False  # healthy and every adapter re-loaded
-        self._turn_end: list[int] = []  # the chat template's end of a turn (start() finds it)
+        # the chat template's end of a turn, found once by the first start() (None: not yet)
+        self._turn_end: list[int] | None = None
         self._log = tempfile.NamedTemporaryFile(prefix="tracerl-vllm-", suffix=".log", delete=False)
         sleep = spec.config.sleep_during_training
         self.sleeps = _cuda_visible() if sleep is None else sleep
@@ -259,7 +260,8 @@ class VLLMEngine(Engine):
                                    env=env)
         self.connect(POOL_KEEP_ALIVE_S)
         try:
-            await asyncio.to_thread(self.find_turn_end)  # while the server loads
+            if self._turn_end is None:  # while the server loads; a restart knows it
+                await asyncio.to_thread(self.find_turn_end)
             await self._wait_until_healthy(self.process)
         except BaseException:  # exited, timed out or cancelled (Ctrl-C): no server left
             await asyncio.shield(self.stop())

@@ -154,7 +154,10 @@ class _ModelLive(EventLog):
     def _log_unlogged_calls(self) -> None:
         """Calls recorded but not logged (a crash between the two writes): logged now."""
         calls_dir = self.store.root / "calls"
+        logged = Counter(self.by_response.values())  # calls logged, per rollout
         for path in sorted(calls_dir.glob(LIVE_PREFIX + "*.jsonl")) if calls_dir.exists() else []:
+            if logged[path.stem] and path.read_bytes().count(b"\n") == logged[path.stem]:
+                continue  # every record of it logged (one per line): nothing to parse
             for record in read_jsonl(path):
                 if (record.get("response") or {}).get("id") in self.by_response:
                     continue
