@@ -1,7 +1,8 @@
 """``train_task(..., off_policy=b)``: a catalog task trained through the async pipeline on the
 real transformers engine and trainer (SmolLM2): bad settings are refused before anything runs,
 held-out evaluations come at the synchronous loop's steps, every trained group comes from the
-train split, and each step records how far off-policy it was."""
+train split, and each step records how far off-policy it was; a step whose every rollout
+raised stops the run, in either loop."""
 
 from __future__ import annotations
 
@@ -70,3 +71,52 @@ async def test_off_policy_trains_train_items_and_evaluates_at_the_sync_steps(tf_
             store.trajectories_path("train", step)) for t in g.trajectories]
         assert trained and all(split_of(k) == "train" and k in drawn for k in trained), trained
         assert not held_out & set(trained)
+
+
+def _task_failing_on(splits: set[str]):
+    """The tool task with a rollout that raises (as a task needing a missing Node.js does) on
+    the items of ``splits`` and plays nothing on the others (a reward-0 trajectory)."""
+    import dataclasses
+
+    from tracerl.core.trajectory import Trajectory
+
+    async def rollout(model, item, temperature=1.0, step=None):
+        if split_of(item.key) in splits:
+            raise RuntimeError("the agent needs Node.js (node) on PATH")
+        return Trajectory(messages_and_choices=[{"role": "user", "content": item.key}],
+                          reward=0.0, metrics={"success": 0.0})
+
+    return dataclasses.replace(get_task("tool-products"), rollout=rollout)
+
+
+@pytest.mark.parametrize("off_policy", [None, 1])
+async def test_a_step_whose_every_rollout_raised_stops_the_run_naming_the_error(
+        tf_backend, off_policy):
+    """Before, train_task went on through every step with nothing to train (on the GPU kit,
+    20 steps of a task whose Node.js was missing) and reported success 0."""
+    from tracerl.core.errors import TooManyExceptionsError
+
+    backend, _ = tf_backend
+    model = tracerl.TrainableModel(name=f"fails-on-train-{off_policy}", project="tasks",
+                                   base_model="smollm2")
+    await model.register(backend)
+    with pytest.raises(TooManyExceptionsError,
+                       match=r"step 1: all \d+ rollouts raised.*RuntimeError: the agent needs "
+                             r"Node\.js"):
+        await train_task(_task_failing_on({"train"}), model, steps=3, eval_n=2, group_size=2,
+                         items_per_step=2, off_policy=off_policy)
+    history = read_jsonl(backend.store(model).history_path)
+    assert [h["step"] for h in history if h.get("split") == "val"] == [0]  # base held-out ran
+
+
+async def test_a_base_evaluation_whose_every_rollout_raised_stops_before_training(tf_backend):
+    from tracerl.core.errors import TooManyExceptionsError
+
+    backend, _ = tf_backend
+    model = tracerl.TrainableModel(name="fails-everywhere", project="tasks", base_model="smollm2")
+    await model.register(backend)
+    with pytest.raises(TooManyExceptionsError, match="base held-out: all 2 rollouts raised"):
+        await train_task(_task_failing_on({"train", "test"}), model, steps=3, eval_n=2,
+                         group_size=2, items_per_step=2)
+    assert await model.get_step() == 0
+    assert not backend.store(model).history_path.exists()

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from ..core.config import DynamicSampling, TrainConfig
-from ..core.errors import ConfigError
+from ..core.errors import ConfigError, TooManyExceptionsError
 from ..core.trajectory import RolloutException, Trajectory, TrajectoryGroup
 from ..rollout.gather import gather_trajectory_groups
 from ..rollout.pipeline import STALENESS, RolloutPipeline, Staleness, TrainedStep
@@ -47,6 +47,19 @@ def _with_usage(groups: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
         log.warning("%d rollouts failed; the first %s: %s\n%s", failed, e.type, e.message,
                     e.traceback)
     return groups
+
+
+def _stop_if_every_rollout_failed(exceptions: list[RolloutException], played: int,
+                                 what: str) -> None:
+    """Raise when rollouts ran and every one of them raised: nothing can be trained or scored
+    (a missing tool such as Node.js, a broken agent), so the run stops with the first error
+    rather than going on through steps of nothing."""
+    if played or not exceptions:
+        return
+    first = exceptions[0]
+    raise TooManyExceptionsError(
+        f"{what}: all {len(exceptions)} rollouts raised, so there is nothing to train or score; "
+        f"the first {first.type}: {first.message}\n{first.traceback}")
 
 
 async def evaluate(task: Task, model: Any, *, n: int = 24, samples: int = 1,
@@ -159,6 +172,9 @@ async def _sync_steps(plan: _Plan, run: TaskRun) -> AsyncGenerator[int, None]:
         drawn = [*groups, *(groups.sampling.discarded if isinstance(groups, SampledGroups)
                             else [])]
         run.train_success.append(_success(_with_usage(drawn)))
+        _stop_if_every_rollout_failed([e for g in drawn for e in g.exceptions],
+                                     sum(len(g.trajectories) for g in drawn),
+                                     f"{plan.task.name} step {step}")
         trained = await plan.model.train(groups, config=plan.config)
         if isinstance(groups, SampledGroups):
             run.sampling.append({k: v for k, v in trained.items() if k.startswith("sampling/")})
@@ -197,6 +213,9 @@ async def _pipeline_steps(plan: _Plan, run: TaskRun, pipeline: RolloutPipeline[I
     ahead = cast(AsyncGenerator[TrainedStep, None], pipeline.steps(plan.steps - plan.first))
     async with contextlib.aclosing(ahead) as trained:
         async for t in trained:
+            _stop_if_every_rollout_failed([e for g in finished for e in g.exceptions],
+                                         sum(len(g.trajectories) for g in finished),
+                                         f"{plan.task.name} step {t.step}")
             run.train_success.append(_success(finished))
             finished.clear()
             run.pipeline.append({k: v for k, v in t.metrics.items()
@@ -258,11 +277,14 @@ async def train_task(task: Task, model: Any, *, steps: int, seed: int = 0,
 
     async def held_out(step: int | None, desc: str) -> dict[str, float]:
         began = time.perf_counter()
+        failures: list[RolloutException] = []
         try:
-            return await evaluate(task, model, n=eval_n, seed=seed, step=step,
-                                  desc=desc if show_progress else None)
+            result = await evaluate(task, model, n=eval_n, seed=seed, step=step,
+                                    desc=desc if show_progress else None, failures=failures)
         finally:
             run.eval_seconds += time.perf_counter() - began
+        _stop_if_every_rollout_failed(failures, eval_n - len(failures), f"{task.name} {desc}")
+        return result
 
     if first == 0:
         run.evals[0] = await held_out(0, "base held-out")
