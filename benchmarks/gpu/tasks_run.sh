@@ -9,6 +9,11 @@ test -f /tmp/gguf/part00 || { echo "call 2 did not run on this machine (cold sta
 test -d /tmp/site/langgraph || { echo "call 1 did not run on this machine (cold start?)"; exit 3; }
 test -f /tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf ||
   cat /tmp/gguf/part00 .gguf2/part01 > /tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
+# node-chain-sum's Node.js, from the kit's call 2b (install_node.sh), when it ran
+if [ -x /tmp/bin/node ]; then export PATH=/tmp/bin:$PATH TRACERL_NPM_PREFIX=/tmp/npm; fi
+case " ${TASKS:-${TASK:-}} " in *" node-chain-sum "*)
+  command -v node > /dev/null || { echo "node-chain-sum needs Node.js: run the kit's call 2b (install_node.sh) first"; exit 3; };;
+esac
 cd .gpu-snap
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
