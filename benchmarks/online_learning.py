@@ -235,6 +235,9 @@ def main() -> int:
     p.add_argument("--bad-after", type=float, default=0.3,
                    help="tool-products: production success (last 12 episodes, and the batch's "
                    "own) that arms the fault")
+    p.add_argument("--judge-within", type=float, default=720.0,
+                   help="tool-products: simulated minutes of traffic after the day while an "
+                   "inverted candidate is unjudged")
     a = p.parse_args()
     for key, value in TASK_DEFAULTS[a.task].items():
         if getattr(a, key) is None:

@@ -11,6 +11,9 @@ batches trained once a trained incumbent serves production well (its last 12 epi
 ``--bad-after`` or more), and whose own episodes succeed that often (a batch of failures,
 inverted, teaches next to nothing: 2 of 3 runs on 2026-12-07 before this rule), get ``1 -
 reward`` (at ``--bad-lr-factor`` times the learning rate); the gates should roll each back.
+When the day ends with such a candidate not yet judged (2 of 2 runs on the loaded 2-core box,
+2026-12-07), the traffic goes on an hour at a time until the gates judge it, for up to
+``--judge-within`` simulated minutes (``extended_sim_minutes`` in the report).
 """
 
 from __future__ import annotations
@@ -174,30 +177,53 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
                 "reward": reward, "metrics": {"success": metrics["success"]}})
             out.feedback["sent" if f.status_code == 200 else f"refused {f.status_code}"] += 1
 
+        async def evaluate_incumbent() -> None:
+            state = loop.control.state()
+            step = state.incumbent or 0
+            score = await evaluate(tool_products.TASK, model, n=a.held_out, temperature=0.0,
+                                   step=step, seed=12345, log_to_model=False)
+            out.timeline.append({"sim_minute": round(sim.now(), 1), "incumbent": step,
+                                 "candidate": state.candidate,
+                                 "success": score.get("metrics/success", 0.0),
+                                 "reward": score["reward"]})
+            print(f"sim {sim.now():6.1f} min  incumbent {step}  held-out success "
+                  f"{out.timeline[-1]['success']:.2f}", file=sys.stderr, flush=True)
+
         async def evaluations() -> None:
             minute = 0.0
             while minute <= a.sim_minutes:
                 await sim.at(minute)
-                state = loop.control.state()
-                step = state.incumbent or 0
-                score = await evaluate(tool_products.TASK, model, n=a.held_out, temperature=0.0,
-                                       step=step, seed=12345, log_to_model=False)
-                out.timeline.append({"sim_minute": round(sim.now(), 1), "incumbent": step,
-                                     "candidate": state.candidate,
-                                     "success": score.get("metrics/success", 0.0),
-                                     "reward": score["reward"]})
-                print(f"sim {sim.now():6.1f} min  incumbent {step}  held-out success "
-                      f"{out.timeline[-1]['success']:.2f}", file=sys.stderr, flush=True)
+                await evaluate_incumbent()
                 minute += a.eval_every
 
         arrivals = sorted(rng.uniform(0, a.sim_minutes) for _ in range(n_calls))
         await asyncio.gather(evaluations(), *(episode(m) for m in arrivals))
+        # the day is over; while a bad candidate is still unjudged (on a slow machine the gates
+        # may not have their rewards yet), the traffic goes on, an hour at a time, for up to
+        # --judge-within simulated minutes, then the incumbent is evaluated once more
+        day_end = sim.now()
+        while unjudged(loop, fault.inverted) and sim.now() < day_end + a.judge_within:
+            start = sim.now()
+            hour = sorted(rng.uniform(start, start + 60)
+                          for _ in range(max(1, round(60 * a.calls_per_minute))))
+            await asyncio.gather(*(episode(m) for m in hour))
+        out.extended_sim_minutes = sim.now() - day_end if fault.inverted else 0.0
+        if out.extended_sim_minutes and unjudged(loop, fault.inverted) != fault.inverted:
+            await evaluate_incumbent()
     from benchmarks.online_learning import stop_online
 
     records, status = await stop_online(backend, loop, stop, runner)
     get_plugin_manager().unregister(name="online-benchmark-fault")
     await backend.close()
     return out.report(records, status, fault.inverted, sim, a)
+
+
+def unjudged(loop: OnlineLoop, steps: list[int]) -> list[int]:
+    """The steps among ``steps`` that the release gates have neither promoted nor rejected."""
+    judged = {r["step"] for r in loop.control.log.records()
+              if (r["event"] == "commit" and r.get("action") == "promote")
+              or r["event"] == "rejected"}
+    return [s for s in steps if s not in judged]
 
 
 class SimClock:
@@ -222,6 +248,7 @@ class Outcome:
         self.feedback: Counter[str] = Counter()
         self.timeline: list[dict[str, Any]] = []
         self.train_success: list[tuple[float, float]] = []
+        self.extended_sim_minutes = 0.0  # traffic after the day, for an unjudged bad candidate
 
     def report(self, records: list[dict[str, Any]], status: dict[str, Any],
                inverted: list[int], sim: SimClock, a: argparse.Namespace) -> dict[str, Any]:
@@ -243,6 +270,7 @@ class Outcome:
                 "production_success_by_quarter": [
                     round(sum(q) / len(q), 3) if q else None for q in quarters],
                 "inverted_steps": inverted,
+                "extended_sim_minutes": round(self.extended_sim_minutes, 1),
                 "promoted": [r["step"] for r in records
                              if r["event"] == "commit" and r["action"] == "promote"],
                 "rejected": [r["step"] for r in records if r["event"] == "rejected"],
