@@ -82,7 +82,7 @@ def test_same_weights_give_no_engine_kl_warning(unhealthy_step):
     ({"groups": 4, "skipped_groups": 3, "sampled_entropy": 0.01, "sampled_entropy_start": 0.6},
      "entropy collapse: the sampled tokens' entropy fell to 0.01 nats/token (from 0.6 at the "
      "adapter's first step) while 3 of 4 groups had equal rewards: the policy collapsed onto "
-     "one answer: keep entropy up with clip-higher"),
+     "one answer: keep entropy up with a lower learning_rate"),
 
     ({"groups": 4, "skipped_groups": 0, "sampled_entropy": 0.01}, None),
     ({"groups": 4, "identical_groups": 2, "skipped_groups": 1, "sampled_entropy": 0.8},
@@ -138,11 +138,12 @@ async def test_an_entropy_collapse_is_measured_and_warned_with_its_fixes(tf_back
     warnings = [str(w) for w in step_warnings(metrics) if w.item == "collapse"]
     assert warnings == [
         "entropy collapse: all 2 groups sampled the same completion in every rollout: the "
-        "policy collapsed onto one answer: keep entropy up with clip-higher "
-        "(TrainConfig(epsilon_high=0.28)), a lower learning_rate (or warmup_steps), larger "
-        "groups (more rollouts per item), and dynamic sampling (gather_trajectory_groups(..., "
-        "dynamic_sampling=tracerl.DynamicSampling())), then restart from a checkpoint from "
-        "before the collapse"]
+        "policy collapsed onto one answer: keep entropy up with a lower learning_rate (or "
+        "warmup_steps), larger groups (more rollouts per item) and dynamic sampling "
+        "(gather_trajectory_groups(..., dynamic_sampling=tracerl.DynamicSampling())); "
+        "clip-higher (TrainConfig(epsilon_high=0.28)) acts only when a batch is reused "
+        "(num_epochs > 1) or trained off-policy; then restart from a checkpoint from before "
+        "the collapse"]
     assert metrics["health_warnings"] >= 2  # and the equal rewards' own warning
 
     healthy = await tracerl.gather_trajectory_groups(

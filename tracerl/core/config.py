@@ -54,7 +54,8 @@ class TrainConfig(_Strict):
                            "smaller is more conservative")
     epsilon_high: float | None = Field(
         None, gt=0, description="upper clip range (default: epsilon); a larger one (DAPO's "
-        "clip-higher, e.g. 0.28) lets rare good tokens gain more and keeps entropy up")
+        "clip-higher, e.g. 0.28) lets rare good tokens gain more and keeps entropy up; it acts "
+        "only when the ratio moves: num_epochs > 1 or off-policy rollouts")
     scale_rewards: bool = Field(True, description="divide advantages by the group's reward std "
                                 "(GRPO); off (Dr. GRPO) when groups with little spread in reward "
                                 "should not weigh as much as the others")

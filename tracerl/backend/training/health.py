@@ -273,11 +273,13 @@ def collapse_thresholds() -> dict[str, float]:
             "collapse_entropy": settings.TRACERL_COLLAPSE_ENTROPY.get()}
 
 
-COLLAPSE_FIX = ("the policy collapsed onto one answer: keep entropy up with clip-higher "
-                "(TrainConfig(epsilon_high=0.28)), a lower learning_rate (or warmup_steps), "
-                "larger groups (more rollouts per item), and dynamic sampling "
-                "(gather_trajectory_groups(..., dynamic_sampling=tracerl.DynamicSampling())), "
-                "then restart from a checkpoint from before the collapse")
+COLLAPSE_FIX = ("the policy collapsed onto one answer: keep entropy up with a lower "
+                "learning_rate (or warmup_steps), larger groups (more rollouts per item) and "
+                "dynamic sampling (gather_trajectory_groups(..., "
+                "dynamic_sampling=tracerl.DynamicSampling())); clip-higher "
+                "(TrainConfig(epsilon_high=0.28)) acts only when a batch is reused "
+                "(num_epochs > 1) or trained off-policy; then restart from a checkpoint from "
+                "before the collapse")
 
 
 def _pct(x: float) -> str:
