@@ -151,16 +151,30 @@ def main() -> None:
         procs = [subprocess.Popen([sys.executable, __file__, *argv, "--path", args.path,
                                    "--tag", args.tag, "--one-seed", str(seed)],
                                   stdout=subprocess.PIPE, text=True) for seed in args.seeds]
-        results = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
+        results: list[dict[str, object]] = []
+        failed: list[int] = []
+        for seed, proc in zip(args.seeds, procs, strict=True):
+            lines = proc.communicate()[0].strip().splitlines()
+            if proc.returncode or not lines:  # the others are still summarised
+                failed.append(seed)
+                print(f"seed {seed} failed (exit {proc.returncode}); its held-out points so far "
+                      f"are in {args.out}.seed{seed}.json", file=sys.stderr)
+            else:
+                results.append(json.loads(lines[-1]))
+        if not results:
+            sys.exit(f"every seed failed: {failed}")
     else:
-        results = [asyncio.run(one_seed(args, seed)) for seed in args.seeds]
+        results, failed = [asyncio.run(one_seed(args, seed)) for seed in args.seeds], []
     summary = {"task": args.task, "args": {k: v for k, v in vars(args).items()
-                                           if k != "one_seed"}, "runs": results}
+                                           if k != "one_seed"}, "runs": results,
+               "failed_seeds": failed}
     Path(args.out).write_text(json.dumps(summary, indent=1))
     report = write_comparison([r["model_dir"] for r in results],
                               out=Path(args.out).with_suffix(".html"))
     print(markdown(args.task, results))
     print(f"\nsummary: {args.out}   curves: {report}")
+    if failed:
+        sys.exit(f"seeds {failed} failed (see above)")
 
 
 if __name__ == "__main__":

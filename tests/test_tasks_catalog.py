@@ -4,6 +4,7 @@ and ``metrics["success"]`` (and the reward) are what the task's library scores."
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 
@@ -82,6 +83,42 @@ async def test_node_agent_rollout_is_the_rollout_apis_and_reasoning_gyms_score(
         assert t.metrics["answer_is_number"] == float(answer.strip().lstrip("-").isdigit())
     status = await backend.external_rollouts_status(model)
     assert status["handed_out"] == 2 and status["open"] == status["ready_groups"] == 0
+
+
+def test_concurrent_rollouts_install_the_npm_package_once(tmp_path, monkeypatch):
+    """Four threads of this process and a second process ask for the Node agent's modules
+    under an empty prefix at once: npm (a counting wrapper around the real one) runs once, and
+    every caller gets a prefix where the package loads. Before the lock, the GPU kit's seeds
+    each started npm install there, and a rollout that saw a half-done one ran Node on
+    missing modules."""
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tracerl.tasks.node_chain_sum import node_modules
+
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if node is None or npm is None:
+        pytest.skip("node and npm are not installed")
+    bin_dir, count = tmp_path / "bin", tmp_path / "npm-runs"
+    bin_dir.mkdir()
+    (bin_dir / "npm").write_text(f'#!/bin/sh\necho run >> {count}\nexec {npm} "$@"\n')
+    (bin_dir / "npm").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("TRACERL_NPM_PREFIX", str(tmp_path / "prefix"))
+    other = subprocess.Popen([sys.executable, "-c", "from tracerl.tasks.node_chain_sum import "
+                              "node_modules; print(node_modules())"],
+                             stdout=subprocess.PIPE, text=True)
+    with ThreadPoolExecutor(4) as pool:
+        found = set(pool.map(lambda _: node_modules(), range(4)))
+    out, _ = other.communicate(timeout=700)
+    assert other.returncode == 0
+    assert found == {tmp_path / "prefix" / "node_modules"} and out.strip() == str(*found)
+    assert count.read_text().splitlines() == ["run"]
+    loads = subprocess.run([node, "-e", "require('openai'); console.log('loaded')"],
+                           env={**os.environ, "NODE_PATH": str(*found)}, capture_output=True,
+                           text=True, timeout=60)
+    assert loads.stdout.strip() == "loaded", loads.stderr
 
 
 async def test_art_tic_tac_toe_is_scored_by_the_examples_rules(tf_backend, tokenizer):

@@ -23,13 +23,17 @@ package (a pinned version) is installed under ``TRACERL_NPM_PREFIX`` on first us
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import json
 import logging
 import os
 import shutil
 import subprocess
+import time
 import uuid
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,20 +71,57 @@ def score(entry: dict[str, Any], answer: str) -> float:
     return float(reasoning_gym.get_score_answer_fn("chain_sum")(answer.strip(), entry))
 
 
+NPM_INSTALL_TIMEOUT_S = 600
+
+
+@contextlib.contextmanager
+def _install_lock(prefix: Path) -> Iterator[None]:
+    """Held while one process (or thread) checks and installs the npm package under ``prefix``:
+    rollouts start at once, in several processes too, and one that saw another's half-done
+    install ran Node on missing modules. Waits at most the install's own timeout."""
+    prefix.mkdir(parents=True, exist_ok=True)
+    path = prefix / ".tracerl-install.lock"
+    deadline = time.monotonic() + NPM_INSTALL_TIMEOUT_S + 60
+    with open(path, "a") as lock:
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise ConfigError(f"waited {NPM_INSTALL_TIMEOUT_S + 60} s for another "
+                                      f"install of {NPM_OPENAI} under {prefix} (lock {path})"
+                                      ) from None
+                time.sleep(0.2)  # a poll with a deadline: flock has no timeout of its own
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def node_modules() -> Path:
-    """The node_modules holding the openai npm package, installed there (pinned) when missing."""
+    """The node_modules holding the openai npm package, installed there (pinned) when missing,
+    one install at a time."""
     prefix = (settings.TRACERL_NPM_PREFIX.get()
               or settings.TRACERL_CACHE.get() / "npm").expanduser()
-    if not (prefix / "node_modules" / "openai" / "package.json").exists():
-        npm = shutil.which("npm")
-        if npm is None:
-            raise ConfigError(f"the node-chain-sum task needs the openai npm package in "
-                              f"{prefix}/node_modules and npm to install it: install Node.js "
-                              f"(with npm), or run `npm install --prefix {prefix} {NPM_OPENAI}`")
-        log.info("installing %s under %s for the Node agent", NPM_OPENAI, prefix)
-        subprocess.run([npm, "install", "--silent", "--no-audit", "--no-fund", "--prefix",
-                        str(prefix), NPM_OPENAI], check=True, timeout=600)
+    if (prefix / "node_modules" / "openai" / "package.json").exists() and \
+            not (prefix / ".tracerl-install.lock").exists():
+        return prefix / "node_modules"  # installed by hand or by the GPU kit
+    with _install_lock(prefix):
+        if not (prefix / "node_modules" / "openai" / "package.json").exists():
+            _npm_install(prefix)
     return prefix / "node_modules"
+
+
+def _npm_install(prefix: Path) -> None:
+    npm = shutil.which("npm")
+    if npm is None:
+        raise ConfigError(f"the node-chain-sum task needs the openai npm package in "
+                          f"{prefix}/node_modules and npm to install it: install Node.js "
+                          f"(with npm), or run `npm install --prefix {prefix} {NPM_OPENAI}`")
+    log.info("installing %s under %s for the Node agent", NPM_OPENAI, prefix)
+    subprocess.run([npm, "install", "--silent", "--no-audit", "--no-fund", "--prefix",
+                    str(prefix), NPM_OPENAI], check=True, timeout=NPM_INSTALL_TIMEOUT_S)
 
 
 class _Mailbox:
