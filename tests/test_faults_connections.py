@@ -4,7 +4,9 @@ When the head deadline cuts a client that is still sending, the server must send
 reading, so no byte is left unread when the socket closes (an unread byte turns the close into a
 reset, which destroys whatever the client has not read yet). A client that ignores the FIN is
 dropped ``LINGER_S`` later. A client that stops reading its answer is dropped once the write has
-made no progress for the write deadline; one that reads slowly gets all of it.
+made no progress for the write deadline; one that reads slowly gets all of it. A connection
+that has made a request (keyed: the server has no key) may stay idle past the head deadline, up to
+the idle deadline, and its next head again has the head deadline from its first byte.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import uvicorn
 from tracerl.backend.gateway.http_limits import LINGER_S, uvicorn_options
 
 HEAD_TIMEOUT_S = 1.0
+IDLE_TIMEOUT_S = 4.0
 WRITE_TIMEOUT_S = 1.0
 TRICKLERS = 200
 MIB = 1024 * 1024
@@ -53,6 +56,7 @@ class App:
 async def server(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[uvicorn.Server]:
     monkeypatch.setenv("TRACERL_HEAD_TIMEOUT_S", str(HEAD_TIMEOUT_S))
     monkeypatch.setenv("TRACERL_WRITE_TIMEOUT_S", str(WRITE_TIMEOUT_S))
+    monkeypatch.setenv("TRACERL_IDLE_TIMEOUT_S", str(IDLE_TIMEOUT_S))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     app = App()
@@ -118,6 +122,49 @@ async def test_a_client_that_closes_after_the_fin_frees_its_slot_at_once(server)
     async with asyncio.timeout(LINGER_S / 2):  # well before the linger would have dropped it
         while server.server_state.connections:
             await asyncio.sleep(0.01)
+
+
+async def _ask(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
+    writer.write(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n")
+    await writer.drain()
+    return await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 10)  # chunked: "ok"
+
+
+async def test_a_keyed_connection_idle_past_the_head_deadline_still_serves(server):
+    """Closed at the head deadline after a response (10 s by default), a connection that a
+    loaded client reused a moment later failed with "Server disconnected without sending a
+    response" (the online benchmark, 2026-12-07)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    try:
+        assert b"\r\nok\r\n" in await _ask(reader, writer)
+        idle = asyncio.ensure_future(reader.read(1))  # the server's FIN would end it
+        done, _ = await asyncio.wait([idle], timeout=3 * HEAD_TIMEOUT_S)  # idle, not a wait
+        assert not done, "the server closed an idle keyed connection at the head deadline"
+        idle.cancel()
+        assert b"\r\nok\r\n" in await _ask(reader, writer)
+        started = time.monotonic()  # then idle past the idle deadline: a FIN
+        assert await asyncio.wait_for(reader.read(-1), IDLE_TIMEOUT_S + 10) == b""
+        assert time.monotonic() - started >= IDLE_TIMEOUT_S - 0.5
+    finally:
+        writer.close()
+
+
+async def test_a_head_trickled_on_an_idle_keyed_connection_has_the_head_deadline(server):
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    try:
+        assert b"\r\nok\r\n" in await _ask(reader, writer)
+        started = time.monotonic()
+        closed = asyncio.ensure_future(reader.read(-1))
+        head = b"POST /x HTTP/1.1\r\nHost: a\r\nX-Pad: " + b"a" * 20_000
+        for i in range(len(head)):
+            if closed.done():
+                break
+            writer.write(head[i:i + 1])
+            await asyncio.wait([closed], timeout=0.001)
+        assert await asyncio.wait_for(closed, 10) == b""
+        assert time.monotonic() - started < IDLE_TIMEOUT_S  # cut at the head deadline
+    finally:
+        writer.close()
 
 
 async def _ask_big(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

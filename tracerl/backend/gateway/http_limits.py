@@ -4,9 +4,13 @@ uvicorn's keep-alive timer is cancelled by the first byte a client sends and is 
 on a fresh connection, so an idle connection, or one that sends its headers a byte at a time,
 holds a slot forever (thousands of them turn every call into 503 at ``limit_concurrency``).
 :class:`BoundedH11Protocol` closes a connection whose request head has not arrived whole within
-``HEAD_TIMEOUT_S`` of the connection opening or of the previous response ending. Bodies have their
-own deadline (:func:`~tracerl.backend.gateway.request_body.read_limited_body`); headers are
-limited in size by h11 (``h11_max_incomplete_event_size``).
+``HEAD_TIMEOUT_S`` of the connection opening or of the previous response ending. A connection that
+has presented the key may stay idle between requests for ``TRACERL_IDLE_TIMEOUT_S`` (60 s), longer
+than clients keep idle connections (httpx 5 s, aiohttp 15 s): at 10 s, a client under load sent
+its next request on a connection the server was closing and got "Server disconnected without
+sending a response"; its next head then has ``HEAD_TIMEOUT_S`` from its first byte. Bodies have
+their own deadline (:func:`~tracerl.backend.gateway.request_body.read_limited_body`); headers
+are limited in size by h11 (``h11_max_incomplete_event_size``).
 
 A response that a client stops reading fills the socket's buffers, and uvicorn then waits for
 them to drain, for ever: a client that never reads a large answer (a long stream, a history)
@@ -56,6 +60,12 @@ log = logging.getLogger(__name__)
 def head_timeout_s() -> float:
     """Seconds a request head may take (``TRACERL_HEAD_TIMEOUT_S``, default 10)."""
     return settings.TRACERL_HEAD_TIMEOUT_S.get()
+
+
+def idle_timeout_s() -> float:
+    """Seconds a keyed connection may stay idle between requests (``TRACERL_IDLE_TIMEOUT_S``,
+    default 60)."""
+    return settings.TRACERL_IDLE_TIMEOUT_S.get()
 
 
 def write_timeout_s() -> float:
@@ -128,6 +138,8 @@ class BoundedH11Protocol(H11Protocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.head_timeout_s = head_timeout_s()
+        self.idle_timeout_s = max(idle_timeout_s(), self.head_timeout_s)
+        self._idle = False  # between requests on a keyed connection: no byte of a head yet
         self.write_timeout_s = write_timeout_s()
         self._deadlines: dict[str, asyncio.TimerHandle] = {}  # "head", "write", "linger"
         self.admission = _admission(self.server_state)
@@ -208,6 +220,9 @@ class BoundedH11Protocol(H11Protocol):
         return "linger" in self._deadlines
 
     def data_received(self, data: bytes) -> None:
+        if self._idle:  # the first byte of the next head: it has the head deadline from now
+            self._idle = False
+            self._arm("head", self.head_timeout_s, self._head_timed_out)
         if not self._lingering:  # while lingering, what arrives is dropped unread
             super().data_received(data)
 
@@ -236,13 +251,16 @@ class BoundedH11Protocol(H11Protocol):
         before = self.cycle
         super().handle_events()
         if self.cycle is not before:  # a request head arrived whole
+            self._idle = False
             self._disarm("head")
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
         if not self.transport.is_closing() and (self.cycle is None
                                                 or self.cycle.response_complete):
-            self._arm("head", self.head_timeout_s, self._head_timed_out)
+            self._idle = self.keyed  # an unkeyed one has the head deadline as it is
+            self._arm("head", self.idle_timeout_s if self.keyed else self.head_timeout_s,
+                      self._head_timed_out)
 
 
 def uvicorn_options(api_key: str | None = None) -> dict[str, Any]:
@@ -250,5 +268,8 @@ def uvicorn_options(api_key: str | None = None) -> dict[str, Any]:
     (connections presenting it are never crowded out by those that do not)."""
     protocol = type("KeyedH11Protocol", (BoundedH11Protocol,),
                     {"api_key": api_key.encode() if api_key is not None else None})
-    return {"http": protocol, "timeout_keep_alive": 30, "limit_concurrency": LIMIT_CONCURRENCY,
+    # uvicorn's own keep-alive close (abrupt) comes after ours (a FIN, then a linger)
+    keep_alive = max(idle_timeout_s(), head_timeout_s()) + 5
+    return {"http": protocol, "timeout_keep_alive": keep_alive,
+            "limit_concurrency": LIMIT_CONCURRENCY,
             "h11_max_incomplete_event_size": 64 * 1024}
