@@ -173,8 +173,12 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
                 out.feedback["never"] += 1
                 return
             await sim.at(sim.now() + rng.uniform(a.delay_min, a.delay_max))  # a late reward
-            f = await http.post(f"/feedback/{ids.ids[-1]}", json={
-                "reward": reward, "metrics": {"success": metrics["success"]}})
+            try:
+                f = await http.post(f"/feedback/{ids.ids[-1]}", json={
+                    "reward": reward, "metrics": {"success": metrics["success"]}})
+            except httpx.HTTPError as e:  # counted: one lost reward does not end the day
+                out.feedback[f"failed {type(e).__name__}"] += 1
+                return
             out.feedback["sent" if f.status_code == 200 else f"refused {f.status_code}"] += 1
 
         async def evaluate_incumbent() -> None:
