@@ -230,7 +230,7 @@ def main() -> int:
     p.add_argument("--asks", type=int, default=7, help="tool-products: episodes per problem")
     p.add_argument("--bad-batches", type=int, default=1,
                    help="tool-products: inverted batches after the first promotion")
-    p.add_argument("--bad-lr-factor", type=float, default=2.0,
+    p.add_argument("--bad-lr-factor", type=float, default=10.0,
                    help="tool-products: the bad batches' learning rate, times --learning-rate")
     p.add_argument("--bad-after", type=float, default=0.3,
                    help="tool-products: production success (last 12 episodes, and the batch's "

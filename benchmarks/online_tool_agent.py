@@ -13,7 +13,11 @@ inverted, teaches next to nothing: 2 of 3 runs on 2026-12-07 before this rule), 
 reward`` (at ``--bad-lr-factor`` times the learning rate); the gates should roll each back.
 When the day ends with such a candidate not yet judged (2 of 2 runs on the loaded 2-core box,
 2026-12-07), the traffic goes on an hour at a time until the gates judge it, for up to
-``--judge-within`` simulated minutes (``extended_sim_minutes`` in the report).
+``--judge-within`` simulated minutes (``extended_sim_minutes`` in the report). Each trained
+inverted candidate and its parent are evaluated on the held-out split at the end
+(``inverted_held_out``): the ground truth the gates' verdict is checked against. One inverted
+batch at 2x the learning rate was not clearly worse (seed 0, 2026-12-07: held-out 1.00, promoted
+on rewards 1.00 vs 0.84), so the fault's step runs at 10x (``--bad-lr-factor``).
 """
 
 from __future__ import annotations
@@ -214,6 +218,15 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         out.extended_sim_minutes = sim.now() - day_end if fault.inverted else 0.0
         if out.extended_sim_minutes and unjudged(loop, fault.inverted) != fault.inverted:
             await evaluate_incumbent()
+        # ground truth for the gates: each trained inverted candidate and the version it was
+        # trained from (its step - 1), on the held-out split
+        newest = await model.get_step()
+        for step in [s for s in fault.inverted if s <= newest]:
+            for judged in (step - 1, step):
+                score = await evaluate(tool_products.TASK, model, n=a.held_out,
+                                       temperature=0.0, step=judged, seed=12345,
+                                       log_to_model=False)
+                out.inverted_held_out[str(judged)] = score.get("metrics/success", 0.0)
     from benchmarks.online_learning import stop_online
 
     records, status = await stop_online(backend, loop, stop, runner)
@@ -253,6 +266,7 @@ class Outcome:
         self.timeline: list[dict[str, Any]] = []
         self.train_success: list[tuple[float, float]] = []
         self.extended_sim_minutes = 0.0  # traffic after the day, for an unjudged bad candidate
+        self.inverted_held_out: dict[str, float] = {}  # inverted steps and their parents
 
     def report(self, records: list[dict[str, Any]], status: dict[str, Any],
                inverted: list[int], sim: SimClock, a: argparse.Namespace) -> dict[str, Any]:
@@ -275,6 +289,7 @@ class Outcome:
                     round(sum(q) / len(q), 3) if q else None for q in quarters],
                 "inverted_steps": inverted,
                 "extended_sim_minutes": round(self.extended_sim_minutes, 1),
+                "inverted_held_out": self.inverted_held_out,
                 "promoted": [r["step"] for r in records
                              if r["event"] == "commit" and r["action"] == "promote"],
                 "rejected": [r["step"] for r in records if r["event"] == "rejected"],
