@@ -55,6 +55,24 @@ def test_gates_promote_roll_back_hold_and_wait():
     assert judge(arm_evidence(erring, [0.5, 0.6] * 5), inc, gates).decision == "rollback"
 
 
+def test_a_candidate_surely_worse_beyond_the_margin_is_rolled_back_without_waiting():
+    """The online benchmark's inverted candidate (2026-12-07): 0.61 over 54 rewards against the
+    incumbent's 0.81 over 47. Surely worse (upper bound -0.05), most likely by more than the
+    margin 0.1, but not surely by more than it: the verdict was "continue" for ever."""
+    gates = Gates(min_samples=8, margin=0.1)
+    calls = [_call(list(range(20))) for _ in range(10)]
+    incumbent = arm_evidence(calls, [1.0] * 38 + [0.0] * 9)
+    verdict = judge(arm_evidence(calls, [1.0] * 33 + [0.0] * 21), incumbent, gates)
+    assert verdict.evidence["reward_diff_upper"] > -gates.margin  # the first rule alone waits
+    assert verdict.decision == "rollback", verdict
+    assert verdict.tripped == ["reward: candidate worse by 0.197, more than the margin 0.1 "
+                               "(upper bound -0.0517 < 0)"]
+    # surely worse, but by less than the margin: promoted, as the margin allows
+    close = judge(arm_evidence(calls, [1.0] * 7_800 + [0.0] * 2_200),
+                  arm_evidence(calls, [1.0] * 8_000 + [0.0] * 2_000), gates)
+    assert close.evidence["reward_diff_upper"] < 0 and close.decision == "promote"
+
+
 @pytest.fixture(scope="module")
 async def rel_model(tf_backend, smollm2_path):
     backend, _ = tf_backend
