@@ -261,3 +261,24 @@ async def test_calls_after_a_swap_are_served_and_recorded_at_the_new_step(swappe
             model=f"{model.name}@1", messages=MSGS, max_tokens=1)
     (call,) = await model.fetch_calls(ro.rollout_id)
     assert call.adapter_step == 1
+
+
+async def test_a_timed_out_call_is_told_why_by_whether_it_set_max_tokens(tf_backend):
+    """A 504 at the request deadline. With max_tokens set, "set max_tokens" was wrong advice
+    (the online benchmark's calls had max_tokens 40 and waited on training steps): the answer
+    says the engine was busy instead."""
+    backend, _ = tf_backend
+    model = tracerl.TrainableModel(
+        name="deadline", project="tests", base_model="smollm2",
+        config=tracerl.ModelConfig(engine=tracerl.EngineConfig(max_model_len=256,
+                                                               request_timeout_s=0.001)))
+    await model.register(backend)
+    async with httpx2.AsyncClient(base_url=model.inference_base_url, timeout=60) as http:
+        capped = await http.post("/chat/completions", json={
+            "model": model.name, "messages": MSGS, "max_tokens": 4})
+        uncapped = await http.post("/chat/completions", json={
+            "model": model.name, "messages": MSGS})
+    assert capped.status_code == uncapped.status_code == 504, (capped.text, uncapped.text)
+    message = capped.json()["error"]["message"]
+    assert "though max_tokens was 4: it was busy" in message and "set max_tokens" not in message
+    assert "set max_tokens" in uncapped.json()["error"]["message"]

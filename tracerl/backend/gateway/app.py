@@ -43,7 +43,7 @@ from .request_validation import Attribution, attribution, check_request, parse_t
 from .rollout_api import ExternalRollouts
 from .served import ModelTable, ServedModel
 from .stream_pump import stream_answer
-from .supervisor import EngineSupervisor
+from .supervisor import EngineSupervisor, requested_max_tokens
 from .swap_lock import SwapLock
 from .turns import TurnSplicer
 
@@ -180,7 +180,9 @@ class Gateway:
             except ClientHungUp:
                 return Response(status_code=499)  # nginx's "client closed request": unread
             except (EngineError, TimeoutError) as e:
-                return error_response(self.supervisor.failure(e, engine, served.timeout_s))
+                return error_response(self.supervisor.failure(
+                    e, engine, served.timeout_s,
+                    max_tokens=requested_max_tokens(rec.engine_body)))
         response["model"] = body["model"]
         answer = exchange.answer(response)
         recording = rec.finish(response)

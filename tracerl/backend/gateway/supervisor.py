@@ -4,6 +4,7 @@ restarted (once at a time, and only when it is really gone, not merely busy)."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from ...core.engine import (
     Engine,
@@ -14,6 +15,13 @@ from ...core.engine import (
 )
 
 
+def requested_max_tokens(body: dict[str, Any]) -> int | None:
+    """The most tokens an engine request asked for (``max_tokens`` or
+    ``max_completion_tokens``), or None."""
+    value = body.get("max_completion_tokens", body.get("max_tokens"))
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 class EngineSupervisor:
     """Restarts engines whose calls failed; one restart task per engine at a time."""
 
@@ -22,11 +30,12 @@ class EngineSupervisor:
         self._restarts: dict[int, asyncio.Task[None]] = {}
 
     def failure(self, e: BaseException, engine: Engine, timeout_s: float, *,
-                starting_stream: bool = False) -> EngineError:
+                starting_stream: bool = False, max_tokens: int | None = None) -> EngineError:
         """The error to answer for an engine call that raised ``e`` (an engine error or the
-        call's deadline; ``starting_stream``: before a stream's first chunk): a refused
-        request is the caller's (4xx, the engine is fine); anything else schedules a restart
-        check (:meth:`schedule_restart`) and answers 504 (deadline) or 503."""
+        call's deadline; ``starting_stream``: before a stream's first chunk; ``max_tokens``:
+        the request's, if it set one): a refused request is the caller's (4xx, the engine is
+        fine); anything else schedules a restart check (:meth:`schedule_restart`) and answers
+        504 (deadline) or 503."""
         if isinstance(e, EngineRequestError):
             return e
         self.schedule_restart(engine)
@@ -34,6 +43,13 @@ class EngineSupervisor:
             if starting_stream:
                 return EngineTimeoutError(
                     f"the engine did not start the stream within {timeout_s} s")
+            if max_tokens is not None:  # short answers, so the engine was busy with others
+                return EngineTimeoutError(
+                    f"the engine did not answer within {timeout_s} s though max_tokens was "
+                    f"{max_tokens}: it was busy (requests queued ahead of this one, or, on the "
+                    "transformers engine, a training step holding the model); raise "
+                    "EngineConfig(request_timeout_s=...) or serve from an engine of its own "
+                    "(vLLM)")
             return EngineTimeoutError(
                 f"the engine did not answer within {timeout_s} s: set max_tokens (without it the "
                 "engine may generate up to the context length) or raise "
