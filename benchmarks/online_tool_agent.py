@@ -185,11 +185,14 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
                 return
             out.feedback["sent" if f.status_code == 200 else f"refused {f.status_code}"] += 1
 
+        async def held_out(step: int) -> dict[str, float]:  # greedy, the same problems
+            return await evaluate(tool_products.TASK, model, n=a.held_out, temperature=0.0,
+                                  step=step, seed=12345, log_to_model=False)
+
         async def evaluate_incumbent() -> None:
             state = loop.control.state()
             step = state.incumbent or 0
-            score = await evaluate(tool_products.TASK, model, n=a.held_out, temperature=0.0,
-                                   step=step, seed=12345, log_to_model=False)
+            score = await held_out(step)
             out.timeline.append({"sim_minute": round(sim.now(), 1), "incumbent": step,
                                  "candidate": state.candidate,
                                  "success": score.get("metrics/success", 0.0),
@@ -223,9 +226,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         newest = await model.get_step()
         for step in [s for s in fault.inverted if s <= newest]:
             for judged in (step - 1, step):
-                score = await evaluate(tool_products.TASK, model, n=a.held_out,
-                                       temperature=0.0, step=judged, seed=12345,
-                                       log_to_model=False)
+                score = await held_out(judged)
                 out.inverted_held_out[str(judged)] = score.get("metrics/success", 0.0)
     from benchmarks.online_learning import stop_online
 

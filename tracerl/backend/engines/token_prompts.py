@@ -51,11 +51,17 @@ def refusal(body: dict[str, Any], parser: str | None) -> str | None:
     return None
 
 
+def requested_max_tokens(body: dict[str, Any]) -> Any:
+    """A chat request's token limit: ``max_completion_tokens``, else ``max_tokens`` (None:
+    neither)."""
+    return body.get("max_completion_tokens") or body.get("max_tokens")
+
+
 def completion_request(body: dict[str, Any], max_model_len: int) -> dict[str, Any]:
     """The completions request answering chat request ``body`` from ``body[PROMPT_IDS]``."""
     ids = list(body[PROMPT_IDS])
     out = {k: body[k] for k in _SAMPLING if body.get(k) is not None}
-    limit = body.get("max_completion_tokens") or body.get("max_tokens")
+    limit = requested_max_tokens(body)
     out.update(model=body["model"], prompt=ids, return_token_ids=True,
                max_tokens=limit if limit is not None else max(max_model_len - len(ids), 1),
                logprobs=int(body.get("top_logprobs") or 0))

@@ -33,6 +33,7 @@ from ...core.fingerprint import BASE, digest_if_readable, note_served
 from ...events.hookspecs import hookimpl
 from ..chat_template import apply_chat_template_override, render_prompt, turn_end_ids
 from .generation_job import GenerationJob, ModelAccess, Results, TokenSink
+from .token_prompts import requested_max_tokens
 from .tool_parsers import PARSERS, content_before_tool_calls
 
 
@@ -182,7 +183,7 @@ class TransformersEngine(Engine):
             raise EngineRequestError("`stop` is not supported by the transformers engine; use vLLM",
                                      param="stop")
         max_len = self.spec.config.max_model_len
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+        max_tokens = requested_max_tokens(body)
         if max_tokens is None:
             max_tokens = max(min(max_len - len(prompt_ids), 1024), 1)
         if not isinstance(max_tokens, int) or max_tokens < 1:

@@ -27,6 +27,7 @@ from ...core.errors import RequestError, TracerlError
 from ...core.model_name import ModelName
 from ...core.storage import ModelStore
 from ...core.trajectory import LLMCall
+from ..engines.token_prompts import requested_max_tokens
 from ..protocols.base import Protocol
 from ..protocols.registry import load_protocols
 from .hang_up import ClientHungUp, unless_hung_up
@@ -43,7 +44,7 @@ from .request_validation import Attribution, attribution, check_request, parse_t
 from .rollout_api import ExternalRollouts
 from .served import ModelTable, ServedModel
 from .stream_pump import stream_answer
-from .supervisor import EngineSupervisor, requested_max_tokens
+from .supervisor import EngineSupervisor
 from .swap_lock import SwapLock
 from .turns import TurnSplicer
 

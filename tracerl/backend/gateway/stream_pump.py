@@ -25,7 +25,7 @@ from ..protocols.replies import StreamAssembler
 from .http_answers import error_response
 from .recorder import CallRecording
 from .served import ServedModel
-from .supervisor import EngineSupervisor, requested_max_tokens
+from .supervisor import EngineSupervisor
 from .swap_lock import Admission
 
 log = logging.getLogger(__name__)
@@ -84,9 +84,8 @@ async def _pump(served: ServedModel, rec: CallRecording, admission: Admission,
                 async with asyncio.timeout_at(deadline):
                     chunk = await anext(stream, None)
             except (EngineError, TimeoutError) as e:  # before generating: nothing to record
-                first.set_result(supervisor.failure(
-                    e, served.engine, served.timeout_s, starting_stream=True,
-                    max_tokens=requested_max_tokens(rec.engine_body)))
+                first.set_result(supervisor.failure(e, served.engine, served.timeout_s,
+                                                    starting_stream=True))
                 return
             first.set_result(None)
             async with asyncio.timeout_at(deadline):

@@ -4,7 +4,6 @@ restarted (once at a time, and only when it is really gone, not merely busy)."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from ...core.engine import (
     Engine,
@@ -13,13 +12,6 @@ from ...core.engine import (
     EngineTimeoutError,
     EngineUnavailableError,
 )
-
-
-def requested_max_tokens(body: dict[str, Any]) -> int | None:
-    """The most tokens an engine request asked for (``max_tokens`` or
-    ``max_completion_tokens``), or None."""
-    value = body.get("max_completion_tokens", body.get("max_tokens"))
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 class EngineSupervisor:
