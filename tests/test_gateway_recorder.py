@@ -40,12 +40,31 @@ BROKEN_BLOCKS = {
     "name-not-a-string": '<tool_call>{"name": 3, "arguments": {}}</tool_call>',
     "json-array": '<tool_call>["get_weather"]</tool_call>',
     "unclosed": '<tool_call>{"name": "get_weather", "arguments": {}}',
+    "arguments-a-list": '<tool_call>{"name": "f", "arguments": [10]}</tool_call>',
+    "arguments-a-string-of-a-list": ('<tool_call>{"name": "f", "arguments": "[\\"a\\", 2]"}'
+                                     '</tool_call>'),
+    "arguments-a-number": '<tool_call>{"name": "f", "arguments": 3}</tool_call>',
 }
 
 
 @pytest.mark.parametrize("text", BROKEN_BLOCKS.values(), ids=list(BROKEN_BLOCKS))
 def test_a_hermes_block_that_is_not_a_call_is_kept_as_text(text):
     assert parse_hermes(text) == (text, [])
+
+
+@pytest.mark.parametrize("text", [TWO_CALLS, *BROKEN_BLOCKS.values(),
+                                  '<tool_call>{"name": "f", "arguments": "{not json"}</tool_call>'],
+                         ids=["valid", *BROKEN_BLOCKS, "arguments-invalid-json"])
+def test_every_parsed_answer_is_a_message_langchain_takes(text):
+    """LangChain's OpenAI client turns each answer into an ``AIMessage`` without raising (list
+    arguments raised a ValidationError that ended a stock agent's rollout); invalid JSON
+    arguments become its ``invalid_tool_calls``, as OpenAI's own may."""
+    from langchain_openai.chat_models.base import _convert_dict_to_message
+
+    content, calls = parse_hermes(text)
+    message = _convert_dict_to_message({"role": "assistant", "content": content,
+                                        "tool_calls": calls})
+    assert len(message.tool_calls) + len(message.invalid_tool_calls) == len(calls)  # type: ignore[attr-defined]
 
 
 def test_a_broken_hermes_block_beside_a_valid_one_stays_in_the_content():

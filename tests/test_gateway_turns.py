@@ -238,3 +238,28 @@ async def test_an_agent_that_trims_history_is_reported_at_the_message_it_dropped
     stats = RowStats()
     rows_from_calls([first, second, third], stats)
     assert (stats.merged_calls, stats.prefix_mismatches) == (1, 1)
+
+
+async def test_a_cut_answer_continues_with_its_turn_end_inserted(agent_model,
+                                                                 served_tokenizer) -> None:
+    """An answer cut by max_tokens, sent back as the SDK gave it, is continued after its sampled
+    ids: the turn's end token (not sampled) and the new messages, so the rollout is one row even
+    where the text, tokenized again, would not give back the sampled ids."""
+    client = agent_model.openai_client()
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Describe the sea at length."}]
+    with tracerl.rollout_scope() as ro:
+        for follow_up in ("Go on.", "And then?"):
+            reply = await client.chat.completions.create(
+                model=agent_model.name, messages=messages, max_tokens=4, temperature=0)
+            assert reply.choices[0].finish_reason == "length"
+            messages += [reply.choices[0].message.model_dump(exclude_none=True),
+                         {"role": "user", "content": follow_up}]
+    calls = await agent_model.fetch_calls(ro.rollout_id)
+    end = served_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for before, after in itertools.pairwise(calls):
+        sent = before.prompt_token_ids + before.completions[0].token_ids
+        assert after.prompt_token_ids[:len(sent) + 1] == [*sent, end]
+        assert after.metadata[TURN]["verdict"] == "spliced"
+        assert "cut (finish_reason length)" in after.metadata[TURN]["why"]
+    stats = RowStats()
+    assert len(rows_from_calls(calls, stats)) == 1 and stats.prefix_mismatches == 0

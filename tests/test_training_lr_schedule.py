@@ -87,3 +87,33 @@ def test_the_schedule_crosses_the_wire_of_the_remote_and_distributed_trainers():
         again = TrainConfig.model_validate(json.loads(json.dumps(dumped)))
         assert [again.learning_rate_at(s) for s in range(7)] == \
             [config.learning_rate_at(s) for s in range(7)]
+
+
+def test_the_auto_rate_is_the_measured_one_for_smollm2_scaled_by_alpha(base):
+    """``learning_rate="auto"`` (the default): 1e-3 for SmolLM2-135M at LoRA alpha 16 (the
+    rate behind the catalog's curves), 2e-3 at this module's alpha 8; under a warmup too."""
+    assert TrainConfig().learning_rate == "auto"
+    default_lora = Policy(base.model, base.tokenizer, LoraConfig(), device=base.device,
+                          dtype=base.dtype)
+    assert default_lora.auto_learning_rate == 1e-3
+    trainer = policy(base)
+    assert trainer.auto_learning_rate == pytest.approx(2e-3)
+    config = TrainConfig(warmup_steps=1)
+    rates = [trainer.optimize(rows(step), config)["learning_rate"] for step in range(2)]
+    assert rates == pytest.approx([1e-3, 2e-3])
+    with pytest.raises(ValueError, match="depends on the model"):
+        config.learning_rate_at(0)
+
+
+@pytest.mark.parametrize("hidden, family, rate", [(3584, "qwen2", 8.68e-4),
+                                                  (4096, "llama", 2.16e-4),
+                                                  (2048, "qwen3", 9.06e-4)])
+def test_the_auto_rate_of_a_wider_model_follows_the_lora_fit(smollm2_path, hidden, family,
+                                                             rate):
+    from transformers import AutoConfig
+
+    from tracerl.backend.training.learning_rate import auto_learning_rate
+
+    config = AutoConfig.from_pretrained(smollm2_path)
+    config.hidden_size, config.model_type = hidden, family
+    assert auto_learning_rate(config, LoraConfig()) == pytest.approx(rate, rel=1e-3)

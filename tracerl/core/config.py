@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
@@ -17,11 +17,15 @@ class _Strict(BaseModel):
 class TrainConfig(_Strict):
     """Hyper-parameters of one GRPO training step (ART-compatible names)."""
 
-    learning_rate: float = Field(
-        5e-6, gt=0, le=1.0, description="AdamW's learning rate for the LoRA weights, set at each "
-        "step (so a schedule is a different value per step); lower it when rewards collapse or "
-        "the KL jumps, raise it when nothing moves after several steps; with a schedule "
-        "(lr_scheduler_type, warmup_steps) the peak rate")
+    learning_rate: Annotated[float, Field(gt=0, le=1.0)] | Literal["auto"] = Field(
+        "auto", description="AdamW's learning rate for the LoRA weights, set at each step (so a "
+        "schedule is a different value per step); with a schedule (lr_scheduler_type, "
+        "warmup_steps) the peak rate. 'auto': the rate measured to train SmolLM2-135M's LoRA on "
+        "every catalog task (1e-3 at LoRA alpha 16), scaled to the model's hidden size by "
+        "Thinking Machines' fit of LoRA learning rates (Qwen: (576/hidden)^0.0775, others: "
+        "^0.781) and by 16/alpha; the step's metrics log the value. Lower it when rewards "
+        "collapse or the KL jumps, raise it when nothing moves after several steps (ART's "
+        "default is 5e-6)")
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="how the learning rate moves over the adapter's steps (Hugging "
         "Face's and ART's trainer_args name): 'constant' (after any warmup), or from "
@@ -122,18 +126,26 @@ class TrainConfig(_Strict):
                               f"max_steps ({self.max_steps})")
         return self
 
-    def learning_rate_at(self, step: int) -> float:
+    def learning_rate_at(self, step: int, auto: float | None = None) -> float:
         """The learning rate of the adapter's GRPO update number ``step`` (0 for its first):
-        the linear warmup, then ``lr_scheduler_type`` from ``learning_rate`` down to 0 at
+        the linear warmup, then ``lr_scheduler_type`` from the peak (``learning_rate``, or
+        ``auto`` where it is ``"auto"``: the model's, which the trainer computes) down to 0 at
         ``max_steps``."""
+        if self.learning_rate != "auto":
+            peak = self.learning_rate
+        elif auto is None:
+            raise ConfigError("learning_rate='auto' depends on the model (its hidden size and "
+                              "LoRA alpha): pass auto=, or read the step's learning_rate metric")
+        else:
+            peak = auto
         if step < self.warmup_steps:
-            return self.learning_rate * (step + 1) / (self.warmup_steps + 1)
+            return peak * (step + 1) / (self.warmup_steps + 1)
         if self.lr_scheduler_type == "constant" or self.max_steps is None:
-            return self.learning_rate
+            return peak
         progress = min((step - self.warmup_steps) / (self.max_steps - self.warmup_steps), 1.0)
         if self.lr_scheduler_type == "linear":
-            return self.learning_rate * (1.0 - progress)
-        return self.learning_rate * 0.5 * (1.0 + math.cos(math.pi * progress))
+            return peak * (1.0 - progress)
+        return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 class TrainSFTConfig(_Strict):

@@ -176,9 +176,10 @@ TRACERL_HEAD_TIMEOUT_S = _seconds(
     "a connection that has not presented the key, the previous response ending) or from the "
     "first byte of a head on an idle keyed connection; raise it for clients on slow links")
 TRACERL_IDLE_TIMEOUT_S = _seconds(
-    60.0, HTTP, "seconds a connection that has presented the key may stay idle between "
-    "requests before the server closes it; longer than clients keep idle connections (httpx 5 "
-    "s, aiohttp 15 s), so that a client does not send on a connection the server is closing")
+    60.0, HTTP, "seconds a connection whose latest request presented the key, and ended "
+    "cleanly, may stay idle between requests before the server closes it; longer than "
+    "clients keep idle connections (httpx 5 s, aiohttp 15 s), so that a client does not send "
+    "on a connection the server is closing")
 TRACERL_BODY_TIMEOUT_S = _seconds(
     60.0, HTTP, "seconds a request body may take to arrive whole; raise it for large uploads "
     "on slow links")

@@ -68,7 +68,7 @@ class Task:
     model_config: Callable[[], ModelConfig]
     group_size: int = 6  # rollouts per item in a training step
     items_per_step: int = 4
-    learning_rate: float = 1e-3
+    learning_rate: float | Literal["auto"] = "auto"  # a task that needs its own says why
     requires: tuple[str, ...] = ()
     install: str = ""
 

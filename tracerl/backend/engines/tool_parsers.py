@@ -17,7 +17,10 @@ _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 def parse_hermes(text: str) -> tuple[str, list[dict[str, Any]]]:
     """Split ``text`` into its plain content and OpenAI-style tool calls.
 
-    A block that is not valid JSON with a ``name`` stays in the content, as vLLM does.
+    A block that is not valid JSON with a ``name`` stays in the content, as vLLM does; so does
+    one whose arguments are JSON but not an object (``[10]``): OpenAI's contract is an object,
+    and LangChain's ``AIMessage`` refuses anything else, which ended a stock agent's rollout
+    with a ValidationError instead of a wrong answer.
     """
     calls = []
     kept = text
@@ -29,6 +32,8 @@ def parse_hermes(text: str) -> tuple[str, list[dict[str, Any]]]:
         if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
             continue
         args = payload.get("arguments", payload.get("parameters", {}))
+        if not _an_object(args):
+            continue
         calls.append({
             "id": "call_" + uuid.uuid4().hex[:24],
             "type": "function",
@@ -37,6 +42,17 @@ def parse_hermes(text: str) -> tuple[str, list[dict[str, Any]]]:
         })
         kept = kept.replace(match.group(0), "")
     return (kept.strip() if calls else text), calls
+
+
+def _an_object(arguments: Any) -> bool:
+    """Arguments a client can take: a JSON object, or a string that is not JSON of another kind
+    (invalid JSON is the client's to report, as OpenAI's own may be)."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return True
+    return isinstance(arguments, dict)
 
 
 def content_before_tool_calls(pieces: list[str], content: str) -> list[str]:

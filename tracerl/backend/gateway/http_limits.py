@@ -4,8 +4,9 @@ uvicorn's keep-alive timer is cancelled by the first byte a client sends and is 
 on a fresh connection, so an idle connection, or one that sends its headers a byte at a time,
 holds a slot forever (thousands of them turn every call into 503 at ``limit_concurrency``).
 :class:`BoundedH11Protocol` closes a connection whose request head has not arrived whole within
-``HEAD_TIMEOUT_S`` of the connection opening or of the previous response ending. A connection that
-has presented the key may stay idle between requests for ``TRACERL_IDLE_TIMEOUT_S`` (60 s), longer
+``HEAD_TIMEOUT_S`` of the connection opening or of the previous response ending. A connection whose
+latest request presented the key, and ended cleanly (its body read whole, no byte past it), may
+stay idle between requests for ``TRACERL_IDLE_TIMEOUT_S`` (60 s), longer
 than clients keep idle connections (httpx 5 s, aiohttp 15 s): at 10 s, a client under load sent
 its next request on a connection the server was closing and got "Server disconnected without
 sending a response"; its next head then has ``HEAD_TIMEOUT_S`` from its first byte. Bodies have
@@ -42,6 +43,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import h11
 from uvicorn._types import ASGIReceiveCallable, ASGISendCallable, Scope
 from uvicorn.protocols.http.flow_control import service_unavailable
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -146,6 +148,7 @@ class BoundedH11Protocol(H11Protocol):
         self.task_limit = self.limit_concurrency
         self.limit_concurrency = None  # uvicorn's check counts idle connections too: ours runs
         self.keyed = False
+        self.last_keyed = False  # the latest request presented the key
         self.client_address = ""
         self.inner_app = self.app
         self.app = self._admit_request
@@ -163,7 +166,8 @@ class BoundedH11Protocol(H11Protocol):
                              send: ASGISendCallable) -> None:
         """The app behind the admission: a keyed request marks its connection keyed; a 503
         when running requests reach the limit (keyless ones: half of it)."""
-        keyed = self.keyed or self._presents_key(scope.get("headers", []))  # type: ignore[arg-type]
+        self.last_keyed = self._presents_key(scope.get("headers", []))  # type: ignore[arg-type]
+        keyed = self.keyed or self.last_keyed
         if keyed and not self.keyed:
             self.keyed = True
             self.admission.release(self)
@@ -258,9 +262,16 @@ class BoundedH11Protocol(H11Protocol):
         super().on_response_complete()
         if not self.transport.is_closing() and (self.cycle is None
                                                 or self.cycle.response_complete):
-            self._idle = self.keyed  # an unkeyed one has the head deadline as it is
-            self._arm("head", self.idle_timeout_s if self.keyed else self.head_timeout_s,
+            self._idle = self.last_keyed and self._clean_between_requests()
+            self._arm("head", self.idle_timeout_s if self._idle else self.head_timeout_s,
                       self._head_timed_out)
+
+    def _clean_between_requests(self) -> bool:
+        """Both sides ended their messages and no byte of the next head is buffered: a body
+        left unread (a 408), bytes past a short ``Content-Length`` or a keyless request after
+        the keyed one keep the head deadline, which ends the connection."""
+        their, ours = self.conn.their_state, self.conn.our_state
+        return their is h11.IDLE and ours is h11.IDLE and not self.conn.trailing_data[0]
 
 
 def uvicorn_options(api_key: str | None = None) -> dict[str, Any]:

@@ -12,9 +12,12 @@ completion (same text; same tool calls by name and parsed arguments, ids ignored
 messages, the engine is given the prompt ``previous prompt + completion + continuation``: the
 continuation is the chat template's text after the assistant turn's end token (e.g. the
 newline after ``<|im_end|>``), the new messages and the generation prompt, tokenized without
-added special tokens. Anything else is not spliced, and the call's record says why
-(:class:`Turn`, ``LLMCall.metadata["turn"]``): the agent edited history at message i, the
-template renders history differently once later messages follow, the completion was cut,
+added special tokens. A completion that was cut (``max_tokens``, a stop string) is continued
+the same way, after its sampled ids, by the template's text after its content: the turn's end
+token, inserted unsampled, where the model would have had to write it. Anything else is not
+spliced, and the call's record says why (:class:`Turn`, ``LLMCall.metadata["turn"]``): the agent
+edited history at message i, the template renders history differently once later messages
+follow, a cut completion's tool calls or a template that ends the turn with no special token,
 the engine cannot take token ids.
 
 Memory is bounded: at most ``max_rollouts`` rollouts (least recently used dropped) of
@@ -50,7 +53,8 @@ class Turn:
     ``spliced``, ``new_conversation`` (shares no first message with an earlier call: a
     subagent), ``history_edited`` (the agent changed message ``message``), ``template`` (the
     chat template renders history differently once later messages follow), ``truncated`` (the
-    earlier completion did not end its turn), ``unsupported`` (the engine or request cannot
+    earlier completion was cut and cannot be continued: it has tool calls, or the template
+    ends its text with no special token), ``unsupported`` (the engine or request cannot
     take token ids). ``prompt_ids``: the spliced prompt."""
 
     verdict: str
@@ -165,12 +169,12 @@ class _Renderer:
         return str(self.tokenizer.apply_chat_template(messages, add_generation_prompt=prompt,
                                                       tokenize=False, **kwargs))
 
-    def continuation(self, body: dict[str, Any], k: int, end_id: int) -> list[int] | Turn:
+    def continuation(self, body: dict[str, Any], k: int, end_id: int | None) -> list[int] | Turn:
         """The token ids after assistant message ``k``'s end token ``end_id`` up to the
-        generation prompt; or the ``template`` verdict saying why there are none."""
+        generation prompt; ``end_id`` None (the completion was cut): the ids after its text,
+        the turn's end first. Or the verdict saying why there are none."""
         messages = body["messages"]
         with self.lock:
-            end = str(self.tokenizer.decode([end_id]))
             before = self._text(messages[:k], body, False)
             upto = self._text(messages[:k + 1], body, False)
             full = self._text(messages, body, True)
@@ -181,11 +185,26 @@ class _Renderer:
                 return Turn("template", k, "the template renders the assistant message "
                             "differently once later messages follow")
             turn = upto[len(before):]
+            if end_id is None:
+                return self._after_cut(turn + full[len(upto):], _text(messages[k].get("content")),
+                                       k)
+            end = str(self.tokenizer.decode([end_id]))
             at = turn.rfind(end)
             if at < 0:
                 return Turn("template", k, f"the rendered assistant message has no {end!r}")
             text = turn[at + len(end):] + full[len(upto):]
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _after_cut(self, rest: str, content: str, k: int) -> list[int] | Turn:
+        """The ids of ``rest`` (the assistant turn onwards) after the cut ``content``; they must
+        begin with a special token (the turn's end), else the ``truncated`` verdict."""
+        at = rest.find(content) if content.strip() else -1
+        ids = [] if at < 0 else list(self.tokenizer(rest[at + len(content):],
+                                                    add_special_tokens=False)["input_ids"])
+        if not ids or ids[0] not in self.special:
+            return Turn("truncated", k, "the earlier completion was cut and the template does "
+                        "not end its text with a special token")
+        return ids
 
 
 class TurnSplicer:
@@ -272,18 +291,20 @@ class TurnSplicer:
         except Exception as e:  # no tokenizer to render with: the engine renders as before
             log.warning("exact turns are off for %s: %s", engine.spec.model_path, e)
             return Turn("unsupported", k, f"the tokenizer did not load: {e}")
-        if kept.finish_reason == "length" or not kept.completion_ids or \
-                kept.completion_ids[-1] not in renderer.special:
+        ended = (kept.finish_reason != "length" and bool(kept.completion_ids)
+                 and kept.completion_ids[-1] in renderer.special)
+        if not ended and (kept.reply.get("tool_calls") or not kept.completion_ids):
             return Turn("truncated", k, "the earlier completion did not end with an end-of-turn "
                         f"token (finish_reason {kept.finish_reason})")
         try:
-            rest = renderer.continuation(body, k, kept.completion_ids[-1])
+            rest = renderer.continuation(body, k, kept.completion_ids[-1] if ended else None)
         except Exception as e:  # the template refused these messages: the engine will say so
             return Turn("template", k, f"the chat template failed: {e}")
         if isinstance(rest, Turn):
             return rest
-        return Turn("spliced", k, None,
-                    [*kept.prompt_ids, *kept.completion_ids, *rest])
+        why = None if ended else (f"the earlier completion was cut (finish_reason "
+                                  f"{kept.finish_reason}): its turn's end is inserted, unsampled")
+        return Turn("spliced", k, why, [*kept.prompt_ids, *kept.completion_ids, *rest])
 
 
 def given_prompt(engine_body: dict[str, Any], turn: Turn | None) -> None:

@@ -29,6 +29,7 @@ from ...core.storage import OPTIMIZER_FILE
 from ..chat_template import render_prompt, turn_end_ids
 from . import checkpointing
 from .head import CHUNK_ELEMENTS, head_logprobs
+from .learning_rate import auto_learning_rate
 from .loss import token_entropy, token_logprobs
 from .rows import NAN, Row, has_unknown_logprobs
 from .update import (
@@ -97,6 +98,7 @@ class Policy(Rendering):
         self.device, self.dtype = device, dtype
         self.adapter_name, self.backend = adapter_name, backend
         self.steps_done = 0
+        self.auto_learning_rate = auto_learning_rate(model.config, lora)  # learning_rate="auto"
         if adapter_path is not None:
             self._load_adapter_weights(adapter_path)
         self.forward_model = self.distribute(model)
@@ -164,7 +166,7 @@ class Policy(Rendering):
         if config.seed is not None:
             torch.manual_seed(config.seed)
         for g in self.optimizer.param_groups:
-            g["lr"] = config.learning_rate_at(self.steps_done)
+            g["lr"] = config.learning_rate_at(self.steps_done, self.auto_learning_rate)
             g["weight_decay"] = config.weight_decay
         decision = self.checkpoint_plan(config, largest)
         checkpointing.apply(self.model, decision.layers, self.recompute_context)
