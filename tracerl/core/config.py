@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .errors import ConfigError
 
@@ -17,15 +17,15 @@ class _Strict(BaseModel):
 class TrainConfig(_Strict):
     """Hyper-parameters of one GRPO training step (ART-compatible names)."""
 
-    learning_rate: Annotated[float, Field(gt=0, le=1.0)] | Literal["auto"] = Field(
-        "auto", description="AdamW's learning rate for the LoRA weights, set at each step (so a "
-        "schedule is a different value per step); with a schedule (lr_scheduler_type, "
-        "warmup_steps) the peak rate. 'auto': the rate measured to train SmolLM2-135M's LoRA on "
-        "every catalog task (1e-3 at LoRA alpha 16), scaled to the model's hidden size by "
-        "Thinking Machines' fit of LoRA learning rates (Qwen: (576/hidden)^0.0775, others: "
-        "^0.781) and by 16/alpha; the step's metrics log the value. Lower it when rewards "
-        "collapse or the KL jumps, raise it when nothing moves after several steps (ART's "
-        "default is 5e-6)")
+    learning_rate: float | Literal["auto"] = Field(
+        "auto", description="AdamW's learning rate (in (0, 1]) for the LoRA weights, set at "
+        "each step (so a schedule is a different value per step); with a schedule "
+        "(lr_scheduler_type, warmup_steps) the peak rate. 'auto': the rate measured to train "
+        "SmolLM2-135M's LoRA on every catalog task (1e-3 at LoRA alpha 16), scaled to the "
+        "model's hidden size by Thinking Machines' fit of LoRA learning rates (Qwen: "
+        "(576/hidden)^0.0775, others: ^0.781) and by 16/alpha; the step's metrics log the "
+        "value. Lower it when rewards collapse or the KL jumps, raise it when nothing moves "
+        "after several steps (ART's default is 5e-6)")
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="how the learning rate moves over the adapter's steps (Hugging "
         "Face's and ART's trainer_args name): 'constant' (after any warmup), or from "
@@ -113,6 +113,13 @@ class TrainConfig(_Strict):
     seed: int | None = Field(None, description="torch's seed, set before each step's update "
                              "(LoRA dropout and any other randomness of the update); None "
                              "leaves the random state as it is")
+
+    @field_validator("learning_rate")
+    @classmethod
+    def _rate_in_range(cls, value: float | str) -> float | str:
+        if value != "auto" and not 0 < float(value) <= 1.0:
+            raise ValueError(f"learning_rate must be in (0, 1] or 'auto', not {value!r}")
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
