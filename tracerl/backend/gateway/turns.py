@@ -186,7 +186,7 @@ class _Renderer:
                             "differently once later messages follow")
             turn = upto[len(before):]
             if end_id is None:
-                return self._after_cut(turn + full[len(upto):], _text(messages[k].get("content")),
+                return self._after_cut(turn, full[len(upto):], _text(messages[k].get("content")),
                                        k)
             end = str(self.tokenizer.decode([end_id]))
             at = turn.rfind(end)
@@ -195,11 +195,12 @@ class _Renderer:
             text = turn[at + len(end):] + full[len(upto):]
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def _after_cut(self, rest: str, content: str, k: int) -> list[int] | Turn:
-        """The ids of ``rest`` (the assistant turn onwards) after the cut ``content``; they must
-        begin with a special token (the turn's end), else the ``truncated`` verdict."""
-        at = rest.find(content) if content.strip() else -1
-        ids = [] if at < 0 else list(self.tokenizer(rest[at + len(content):],
+    def _after_cut(self, turn: str, later: str, content: str, k: int) -> list[int] | Turn:
+        """The ids after the cut ``content`` in the rendered assistant ``turn``, then of the
+        ``later`` messages' text; they must begin with a special token (the turn's end), else
+        the ``truncated`` verdict."""
+        at = turn.rfind(content) if content.strip() else -1
+        ids = [] if at < 0 else list(self.tokenizer(turn[at + len(content):] + later,
                                                     add_special_tokens=False)["input_ids"])
         if not ids or ids[0] not in self.special:
             return Turn("truncated", k, "the earlier completion was cut and the template does "
