@@ -46,10 +46,15 @@ class Plan:
                 "activation_budget_mb": round(self.budget_mb, 1)}
 
 
+def text_config(config: Any) -> Any:
+    """The language model's part of a transformers ``config`` (itself for a text-only model)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def layer_bytes_per_token(config: Any, element_bytes: int) -> tuple[float, float]:
     """Bytes one token keeps in one decoder layer of a model of ``config`` (a transformers
     config): without checkpointing, and checkpointed (the layer's input)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     hidden = int(text.hidden_size)
     intermediate = int(getattr(text, "intermediate_size", None) or 4 * hidden)
     heads = int(getattr(text, "num_attention_heads", 1) or 1)
@@ -64,7 +69,7 @@ def plan(config: Any, tokens: int, element_bytes: int, budget_mb: float,
     ``config`` whose activations are ``element_bytes`` wide, within ``budget_mb`` (of which the
     output head takes ``head_mb``, whatever is checkpointed); ``forced``: True all layers,
     False none."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     total = int(text.num_hidden_layers)
     full, kept = layer_bytes_per_token(config, element_bytes)
     full_mb, kept_mb = full * tokens / MB, kept * tokens / MB

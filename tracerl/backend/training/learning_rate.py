@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...core.config import LoraConfig
+from .checkpointing import text_config
 
 ANCHOR_RATE = 1e-3  # measured: SmolLM2-135M, LoRA alpha 16
 ANCHOR_HIDDEN = 576
@@ -27,8 +28,7 @@ OTHER_EXPONENT = 0.781
 def auto_learning_rate(model_config: Any, lora: LoraConfig) -> float:
     """The learning rate ``"auto"`` resolves to for a model of ``model_config`` (a transformers
     config) trained with ``lora``."""
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") \
-        else model_config
+    text = text_config(model_config)
     hidden = int(text.hidden_size)
     family = str(getattr(text, "model_type", "") or "")
     exponent = QWEN_EXPONENT if family.startswith("qwen") else OTHER_EXPONENT
