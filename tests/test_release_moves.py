@@ -95,3 +95,34 @@ async def test_the_first_rollback_of_a_model_with_resident_versions_fails_no_cal
     backend, _ = tf_backend
     model = await _model_with_checkpoints(backend, smollm2_path, "moves-resident", 3)
     await _moves_under_traffic(backend, model, [("rollback", 2), ("promote", 3)])
+
+
+async def test_retiring_a_version_waits_for_its_calls_alone(tf_backend, smollm2_path):
+    """Promoting 2 retires version 1 while a long call on 1 decodes: the promotion waits for
+    that call, and the calls routed to 2 meanwhile are answered before it ends (a swap that
+    held every new call stalled an online run's calls for minutes)."""
+    backend, _ = tf_backend
+    model = await _model_with_checkpoints(backend, smollm2_path, "retire", 1)
+    control = ReleaseControl(backend, model)
+    name = model.get_inference_name()
+    route = backend.gateway.models[name]
+    await control.promote(1)
+    async with httpx.AsyncClient(base_url=backend.base_url, timeout=300) as http:
+        long = asyncio.ensure_future(http.post("/completions", json={
+            "model": f"{name}@1", "prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 160,
+            "temperature": 0.0}))
+        await until(lambda: route.swap.readers == 1, "the long call on version 1 to start",
+                    timeout_s=60)
+        promotion = asyncio.ensure_future(control.promote(2))
+        await until(lambda: 1 not in route.versions, "version 1 to be retired", timeout_s=60)
+        short = await http.post("/chat/completions", headers={"x-rollout-id": "short"}, json={
+            "model": name, "max_tokens": 2, "temperature": 0.0,
+            "messages": [{"role": "user", "content": "Name a color."}]})
+        assert short.status_code == 200, short.text
+        assert not long.done() and not promotion.done()  # the retire waits for the long call
+        assert (await long).json()["choices"][0]["finish_reason"] == "length"
+    assert (await asyncio.wait_for(promotion, 60)).incumbent == 2
+    assert sorted(route.versions) == [2, 3]
+    (call,) = await model.fetch_calls("short")
+    assert call.adapter_step == 2
+    assert call.adapter_digest == adapter_digest(backend.store(model).checkpoint_dir(2))

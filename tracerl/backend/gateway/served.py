@@ -107,12 +107,7 @@ class ServedModel:
             await self.engine.load_adapter(self.lora_name(step), path)
             self.versions[step] = path
             self.step = max(self.step, step)
-            retired = sorted(self.versions)[:-self.resident]
-            if retired:
-                async with self.swap.swapping(self.timeout_s + 30.0):
-                    for old in retired:
-                        del self.versions[old]
-                        await self.engine.unload_adapter(self.lora_name(old))
+            await self._retire(sorted(self.versions)[:-self.resident])
 
     async def load_version(self, step: int, path: Path, keep: Collection[int] = ()) -> None:
         """Release control: load ``step`` as ``NAME@step`` (kept: ``keep``, the incumbent, the
@@ -123,12 +118,24 @@ class ServedModel:
             self.versions[step] = Path(path)
         self.step = max(self.step, step)
         keep = {self.step, *keep, *(self.release.steps() if self.release is not None else ())}
-        retired = [s for s in self.versions if s not in keep]
-        if retired:
-            async with self.swap.swapping(self.timeout_s + 30.0):
-                for old in retired:
-                    del self.versions[old]
-                    await self.engine.unload_adapter(self.version_name(old))
+        await self._retire([s for s in self.versions if s not in keep])
+
+    async def _retire(self, steps: list[int]) -> None:
+        """Unload versions ``steps``: no call is routed to them from now on (one that was is
+        resolved again when admitted, see :meth:`admit`); the engine unloads them once the
+        calls in flight that use them have finished. The other versions' calls go on meanwhile.
+        If those calls outlast the wait, the versions stay served (a later swap retires them)."""
+        if not steps:
+            return
+        paths = {step: self.versions.pop(step) for step in steps}
+        names = [self.version_name(step) for step in steps]
+        try:
+            async with self.swap.retiring(names, self.timeout_s + 30.0):
+                for step, name in zip(steps, names, strict=True):
+                    await self.engine.unload_adapter(name)
+                    del paths[step]
+        finally:
+            self.versions.update(paths)  # those not unloaded (a timeout, a failed unload)
 
     async def admit(self, engine_model: str, step: int | None, requested: str,
                     rollout_id: str | None) -> tuple[Admission, str, int | None]:
@@ -137,10 +144,11 @@ class ServedModel:
         it was resolved to, or the newest when the swap retired that version.
         :class:`~tracerl.core.engine.EngineTimeoutError` if the swap outlasts the deadline."""
         admission = await self.swap.admit(self.timeout_s)
-        if step is None or (self.resident <= 1 and self.release is None) or \
-                self._resident(step) or ModelName.parse(requested).pinned:
-            return admission, engine_model, step  # (a pinned step that was retired: a 404)
-        return admission, *self.resolve(requested, rollout_id)  # unpinned: resolves, never fails
+        if not (step is None or (self.resident <= 1 and self.release is None) or
+                self._resident(step) or ModelName.parse(requested).pinned):
+            engine_model, step = self.resolve(requested, rollout_id)  # unpinned: never fails
+        admission.serve(engine_model)  # (a pinned step that was retired: the engine's 404)
+        return admission, engine_model, step
 
     def lora_name(self, step: int) -> str:
         """The engine's name of the adapter serving ``step`` now."""

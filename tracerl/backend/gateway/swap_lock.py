@@ -1,16 +1,21 @@
-"""The lock between a model's calls and its adapter swaps: calls share it; a swap waits for the
-calls in flight and holds new ones.
+"""The lock between a model's calls and its adapter swaps: calls share it; a swap in place waits
+for the calls in flight and holds new ones; retiring a version waits only for the calls that use
+it.
 
 A call holds its share as an :class:`Admission` (:meth:`SwapLock.admit`), the one way the call
 path takes and gives it back: one holder at a time (the call's handler, or the pump of its
-stream), released once at the end of the holder's ``with`` block.
+stream), released once at the end of the holder's ``with`` block. The admission names the
+engine model (adapter version) the call uses (:meth:`Admission.serve`), so that unloading a
+version no call is routed to any more (:meth:`SwapLock.retiring`) waits for that version's calls
+alone: the other versions' calls go on, admitted, meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Collection
 
 from ...core.engine import EngineTimeoutError
 
@@ -30,6 +35,9 @@ class SwapLock:
         self._open = asyncio.Event()  # set while no swap is running or waiting
         self._open.set()
         self._swapper = asyncio.Lock()
+        self._using: Counter[str] = Counter()  # engine model name -> calls in flight using it
+        self._released = asyncio.Event()  # set whenever a call that named its version ends
+        self._retiring: set[str] = set()
 
     @property
     def readers(self) -> int:
@@ -61,10 +69,55 @@ class SwapLock:
             self._readers = 0
             self._idle.set()
 
+    def serve(self, name: str) -> None:
+        """Count a call admitted with :meth:`acquire_read` as using engine model ``name``
+        (:meth:`Admission.serve`)."""
+        self._using[name] += 1
+
+    def unserve(self, name: str) -> None:
+        self._using[name] -= 1
+        if self._using[name] <= 0:
+            del self._using[name]
+        self._released.set()
+
     def describe(self) -> str:
         """Who holds the lock (the watchdog's view of a waiting swap)."""
         held = "a swap holds new requests; " if not self._open.is_set() else ""
-        return f"{held}{self._readers} requests in flight hold the swap lock"
+        said = f"{held}{self._readers} requests in flight hold the swap lock"
+        if self._retiring:
+            waited = sum(self._using[n] for n in self._retiring)
+            said += f"; {waited} of them use the retired versions {sorted(self._retiring)}"
+        return said
+
+    @contextlib.asynccontextmanager
+    async def retiring(self, names: Collection[str], timeout_s: float) -> AsyncIterator[None]:
+        """Wait (at most ``timeout_s``) for the calls in flight that use ``names``, versions no
+        new call is routed to any more, then unload them. New calls are admitted meanwhile:
+        they use other versions."""
+        names = set(names)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._swapper.acquire()
+        except TimeoutError:
+            raise EngineTimeoutError(f"waited {timeout_s:g} s for another adapter swap of model "
+                                     f"{self.model}") from None
+        self._retiring = names
+        try:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    while any(self._using[n] for n in names):
+                        self._released.clear()
+                        await self._released.wait()
+            except TimeoutError:
+                left = sum(self._using[n] for n in names)
+                raise EngineTimeoutError(
+                    f"waited {timeout_s:g} s for {left} call(s) in flight on the retired "
+                    f"version(s) {sorted(names)} of model {self.model} to finish before "
+                    f"unloading them") from None
+            yield
+        finally:
+            self._retiring = set()
+            self._swapper.release()
 
     @contextlib.asynccontextmanager
     async def swapping(self, timeout_s: float) -> AsyncIterator[None]:
@@ -95,10 +148,17 @@ class Admission:
     (again: nothing happens) or at the end of a ``with`` block. Releasing is synchronous, so a
     cancelled holder cannot leave the share taken."""
 
-    __slots__ = ("_lock",)
+    __slots__ = ("_lock", "_name")
 
     def __init__(self, lock: SwapLock) -> None:
         self._lock: SwapLock | None = lock
+        self._name: str | None = None
+
+    def serve(self, name: str) -> None:
+        """The engine model (version) this call uses: unloading it waits for the call."""
+        if self._lock is not None and self._name is None:
+            self._name = name
+            self._lock.serve(name)
 
     @property
     def held(self) -> bool:
@@ -107,6 +167,8 @@ class Admission:
     def release(self) -> None:
         lock, self._lock = self._lock, None
         if lock is not None:
+            if self._name is not None:
+                lock.unserve(self._name)
             lock.release_read()
 
     def __enter__(self) -> Admission:
