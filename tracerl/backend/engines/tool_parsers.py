@@ -32,7 +32,7 @@ def parse_hermes(text: str) -> tuple[str, list[dict[str, Any]]]:
         if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
             continue
         args = payload.get("arguments", payload.get("parameters", {}))
-        if not _an_object(args):
+        if not arguments_are_an_object(args):
             continue
         calls.append({
             "id": "call_" + uuid.uuid4().hex[:24],
@@ -44,9 +44,10 @@ def parse_hermes(text: str) -> tuple[str, list[dict[str, Any]]]:
     return (kept.strip() if calls else text), calls
 
 
-def _an_object(arguments: Any) -> bool:
+def arguments_are_an_object(arguments: Any) -> bool:
     """Arguments a client can take: a JSON object, or a string that is not JSON of another kind
-    (invalid JSON is the client's to report, as OpenAI's own may be)."""
+    (invalid JSON is the client's to report, as OpenAI's own may be). vLLM's server applies the
+    same rule (``vllm_plugins/hermes_tool_parser.py`` loads this module by its path)."""
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)

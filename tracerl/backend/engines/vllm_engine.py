@@ -57,6 +57,21 @@ def vllm_python() -> str | None:
     return sys.executable if importlib.util.find_spec("vllm") else None
 
 
+# tool parsers tracerl replaces with its own plugin (vllm_plugins/): name -> the plugin's name
+_TOOL_PARSER_PLUGINS = {"hermes": ("hermes_tool_parser.py", "tracerl_hermes")}
+
+
+def tool_parser_flags(parser: str) -> list[str]:
+    """vLLM's flags for tool parser ``parser``: ``hermes`` is tracerl's plugin, which answers a
+    call whose arguments are not a JSON object as text, as the transformers engine does
+    (``vllm_plugins/hermes_tool_parser.py``); the others are vLLM's own."""
+    if parser not in _TOOL_PARSER_PLUGINS:
+        return ["--tool-call-parser", parser]
+    file, name = _TOOL_PARSER_PLUGINS[parser]
+    plugin = Path(__file__).resolve().parent / "vllm_plugins" / file
+    return ["--tool-parser-plugin", str(plugin), "--tool-call-parser", name]
+
+
 def _lora_rank_slot(r: int) -> int:
     """vLLM accepts only these values for --max-lora-rank."""
     for slot in (8, 16, 32, 64, 128, 256, 320, 512):
@@ -218,7 +233,7 @@ class VLLMEngine(Engine):
         if cfg.chat_template:
             cmd += ["--chat-template", str(chat_template_path(cfg.chat_template))]
         if cfg.tool_call_parser:
-            cmd += ["--enable-auto-tool-choice", "--tool-call-parser", cfg.tool_call_parser]
+            cmd += ["--enable-auto-tool-choice", *tool_parser_flags(cfg.tool_call_parser)]
         return cmd + list(cfg.extra_args)
 
     def log_tail(self, n: int = 40) -> str:
