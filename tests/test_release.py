@@ -4,6 +4,7 @@ the rewards that came back, and promoted or rolled back -- with calls in flight 
 none failing. The release log replays to one incumbent after a begin without its commit."""
 
 import asyncio
+import math
 
 import pytest
 
@@ -83,7 +84,9 @@ async def rel_model(tf_backend, smollm2_path):
     store = backend.store(model)
     for step in (1, 2):
         await asyncio.to_thread(make_random_lora, smollm2_path, store.checkpoint_dir(step), step)
-    control = ReleaseControl(backend, model, Gates(min_samples=4))
+    # no latency monitor: on a loaded CPU a call's latency is the machine's, not the version's
+    # (two shadow calls a version: one slow call was a "hold" that failed this test in CI)
+    control = ReleaseControl(backend, model, Gates(min_samples=4, p95_latency_ratio=math.inf))
     await control.enable()
     return backend, model, store, control
 
@@ -102,7 +105,8 @@ async def test_a_bad_canary_is_rolled_back_and_a_good_one_promoted_without_a_fai
     assert control.state().incumbent == 0  # adopted: the base model served
     await control.propose(1)
     verdict = await control.shadow([{"messages": MESSAGES}] * 2, lambda s, text: 1.0)
-    assert verdict.decision in ("promote", "continue") and control.state().candidate == 1
+    assert verdict.decision in ("promote", "continue"), verdict.tripped
+    assert control.state().candidate == 1
     await control.start_canary(0.5)
 
     served = dict(await asyncio.gather(*(rollout(model) for _ in range(16))))
