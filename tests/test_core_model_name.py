@@ -11,6 +11,7 @@ import pytest
 
 from tracerl.backend.gateway.served import ReleaseRouting, canary_bucket
 from tracerl.backend.gateway.swap_lock import SwapLock
+from tracerl.core.engine import EngineTimeoutError
 from tracerl.core.model_name import ModelName
 
 # text: (base, project, name, step_text, step)
@@ -84,3 +85,32 @@ async def test_an_admission_is_released_once_by_its_holder() -> None:
     held.release()
     await asyncio.wait_for(swapping, 5.0)
     assert lock.readers == 0
+
+
+async def test_retiring_a_version_waits_for_its_calls_and_admits_new_ones() -> None:
+    lock = SwapLock("p/m")
+    old = await lock.admit(1.0)
+    old.serve("p/m@1")
+    other = await lock.admit(1.0)
+    other.serve("p/m@2")
+    retired = asyncio.Event()
+
+    async def retire() -> None:
+        async with lock.retiring(["p/m@1"], 5.0):
+            retired.set()
+
+    retiring = asyncio.ensure_future(retire())
+    with await asyncio.wait_for(lock.admit(1.0), 1.0) as new:  # not held by the retirement
+        new.serve("p/m@2")
+        assert "1 of them use the retired versions ['p/m@1']" in lock.describe()
+    other.release()
+    for _ in range(5):  # the retirement runs on this loop: let it see the release
+        await asyncio.sleep(0)
+    assert not retired.is_set()  # the call on version 1 is still in flight
+    old.release()
+    await asyncio.wait_for(retiring, 5.0)
+    with await lock.admit(1.0) as late:
+        late.serve("p/m@1")
+        with pytest.raises(EngineTimeoutError, match=r"1 call\(s\) in flight on the retired"):
+            async with lock.retiring(["p/m@1"], 0.1):
+                pass

@@ -89,18 +89,22 @@ class SwapLock:
             said += f"; {waited} of them use the retired versions {sorted(self._retiring)}"
         return said
 
-    @contextlib.asynccontextmanager
-    async def retiring(self, names: Collection[str], timeout_s: float) -> AsyncIterator[None]:
-        """Wait (at most ``timeout_s``) for the calls in flight that use ``names``, versions no
-        new call is routed to any more, then unload them. New calls are admitted meanwhile:
-        they use other versions."""
-        names = set(names)
+    async def _take_swapper(self, timeout_s: float) -> None:
+        """The one adapter change of the model at a time (a swap or a retirement)."""
         try:
             async with asyncio.timeout(timeout_s):
                 await self._swapper.acquire()
         except TimeoutError:
             raise EngineTimeoutError(f"waited {timeout_s:g} s for another adapter swap of model "
                                      f"{self.model}") from None
+
+    @contextlib.asynccontextmanager
+    async def retiring(self, names: Collection[str], timeout_s: float) -> AsyncIterator[None]:
+        """Wait (at most ``timeout_s``) for the calls in flight that use ``names``, versions no
+        new call is routed to any more, then unload them. New calls are admitted meanwhile:
+        they use other versions."""
+        names = set(names)
+        await self._take_swapper(timeout_s)
         self._retiring = names
         try:
             try:
@@ -122,12 +126,7 @@ class SwapLock:
     @contextlib.asynccontextmanager
     async def swapping(self, timeout_s: float) -> AsyncIterator[None]:
         """Hold new requests, wait (at most ``timeout_s``) for those in flight, then swap."""
-        try:
-            async with asyncio.timeout(timeout_s):
-                await self._swapper.acquire()
-        except TimeoutError:
-            raise EngineTimeoutError(f"waited {timeout_s:g} s for another adapter swap of model "
-                                     f"{self.model}") from None
+        await self._take_swapper(timeout_s)
         try:
             self._open.clear()
             try:
