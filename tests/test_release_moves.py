@@ -15,6 +15,10 @@ from tracerl.backend.online.release import ReleaseControl
 from tracerl.core.fingerprint import BASE, adapter_digest
 
 CALLERS = 24
+# a short system message: SmolLM2's template adds a 15-token default one to a prompt without
+# (prefill is most of a call on CPU)
+MESSAGES = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Name a color."}]
 
 
 async def _callers(backend, name: str, stop: asyncio.Event, answered: list[str],
@@ -26,8 +30,7 @@ async def _callers(backend, name: str, stop: asyncio.Event, answered: list[str],
         while not stop.is_set():
             rid = f"move-{uuid.uuid4().hex[:12]}"
             r = await http.post("/chat/completions", headers={"x-rollout-id": rid}, json={
-                "model": name, "max_tokens": 2, "temperature": 0.0,
-                "messages": [{"role": "user", "content": "Name a color."}]})
+                "model": name, "max_tokens": 2, "temperature": 0.0, "messages": MESSAGES})
             (answered if r.status_code == 200 else failed).append(
                 rid if r.status_code == 200 else f"{r.status_code} {r.text[:200]}")
 
