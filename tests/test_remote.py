@@ -95,7 +95,7 @@ async def test_each_rollout_gets_its_own_token_record_from_the_servers_gateway(r
     for t in remote_run.groups[0]:
         (call,) = t.llm_calls
         assert call.rollout_id == t.rollout_id
-        assert call.request["messages"] == t.messages()[:1]
+        assert call.request["messages"] == t.messages()[:2]  # the system and user messages
 
 
 async def test_the_remote_records_are_token_exact(remote_run):
