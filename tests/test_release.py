@@ -98,6 +98,17 @@ async def rollout(model) -> tuple[str, LLMCall]:
     return ro.rollout_id, call
 
 
+async def calls_on_both_arms(model, served: dict[str, LLMCall], steps: tuple[int, int]
+                             ) -> dict[str, LLMCall]:
+    """``served`` and more rollouts until each of ``steps`` served the gates' 4 (the canary
+    hashes random rollout ids: 16 rollouts leave an arm short of 4 in 2% of runs, the second
+    canary's 14 in 6%)."""
+    while min(sum(c.adapter_step == s for c in served.values()) for s in steps) < 4:
+        assert len(served) < 60, f"an arm served fewer than 4 of {len(served)} rollouts"
+        served.update([await rollout(model) for _ in range(4)])
+    return served
+
+
 async def test_a_bad_canary_is_rolled_back_and_a_good_one_promoted_without_a_failed_call(
         rel_model):
     _, model, store, control = rel_model
@@ -108,7 +119,8 @@ async def test_a_bad_canary_is_rolled_back_and_a_good_one_promoted_without_a_fai
     assert control.state().candidate == 1
     await control.start_canary(0.5)
 
-    served = dict(await asyncio.gather(*(rollout(model) for _ in range(16))))
+    served = await calls_on_both_arms(model, dict(await asyncio.gather(
+        *(rollout(model) for _ in range(16)))), (0, 1))
     for rid, call in served.items():  # sticky hash: the canary's share, by rollout id
         assert call.adapter_step == (1 if canary_bucket(rid) < 0.5 else 0), rid
     assert {c.adapter_step for c in served.values()} == {0, 1}
@@ -123,9 +135,7 @@ async def test_a_bad_canary_is_rolled_back_and_a_good_one_promoted_without_a_fai
     await control.propose(2)
     await control.start_canary(0.5)
     traffic = [asyncio.ensure_future(rollout(model)) for _ in range(12)]
-    second = dict(await asyncio.gather(*traffic[:6]))
-    for _ in range(2):
-        second.update([await rollout(model) for _ in range(4)])
+    second = await calls_on_both_arms(model, dict(await asyncio.gather(*traffic[:6])), (0, 2))
     good = asyncio.ensure_future(control.evaluate(
         {rid: 0.5 + 0.1 * (c.adapter_step == 2) + 0.01 * (hash(rid) % 3)
          for rid, c in second.items()}))
@@ -190,3 +200,11 @@ def test_promote_with_the_server_down_is_a_one_line_error(tmp_path):
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     (line,) = out.stderr.strip().splitlines()
     assert line.startswith(f"tracerl: error: could not reach tracerl serve at {server}"), line
+
+
+@pytest.mark.parametrize("field, value", [("p95_latency_ratio", float("inf")),
+                                          ("margin", float("nan")),
+                                          ("length_ratio", (0.5, float("inf")))])
+def test_a_gate_that_is_not_a_finite_number_is_refused_naming_it(field, value):
+    with pytest.raises(tracerl.ConfigError, match=f"Gates.{field} must be a finite number"):
+        Gates(**{field: value})

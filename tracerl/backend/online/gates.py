@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ...core.errors import ConfigError
 from ...core.trajectory import LLMCall
 
 NGRAM = 4
@@ -42,6 +43,15 @@ class Gates:
     length_ratio: tuple[float, float] = (0.5, 2.0)  # candidate / incumbent mean completion tokens
     max_repeated_ngram_increase: float = 0.15  # fraction of repeated 4-grams of a completion
     max_broken_tool_call_increase: float = 0.05
+
+    def __post_init__(self) -> None:
+        """Every threshold a finite number: they are written to the release log as JSON, which
+        has no infinity (a monitor is turned off by a large value, e.g. a ratio of 1e9)."""
+        for name, value in asdict(self).items():
+            for v in value if isinstance(value, (tuple, list)) else (value,):
+                if not (isinstance(v, (int, float)) and math.isfinite(v)):
+                    raise ConfigError(f"Gates.{name} must be a finite number, not {value!r} "
+                                      "(turn a monitor off with a large value, e.g. 1e9)")
 
 
 @dataclass
