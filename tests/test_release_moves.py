@@ -119,8 +119,7 @@ async def test_retiring_a_version_waits_for_its_calls_alone(tf_backend, smollm2_
         promotion = asyncio.ensure_future(control.promote(2))
         await until(lambda: 1 not in route.versions, "version 1 to be retired", timeout_s=60)
         short = await http.post("/chat/completions", headers={"x-rollout-id": "short"}, json={
-            "model": name, "max_tokens": 2, "temperature": 0.0,
-            "messages": [{"role": "user", "content": "Name a color."}]})
+            "model": name, "max_tokens": 2, "temperature": 0.0, "messages": MESSAGES})
         assert short.status_code == 200, short.text
         assert not long.done() and not promotion.done()  # the retire waits for the long call
         assert (await long).json()["choices"][0]["finish_reason"] == "length"

@@ -75,6 +75,7 @@ class SwapLock:
         self._using[name] += 1
 
     def unserve(self, name: str) -> None:
+        """The end of a call counted by :meth:`serve` (a retirement waiting on it looks again)."""
         self._using[name] -= 1
         if self._using[name] <= 0:
             del self._using[name]

@@ -44,9 +44,8 @@ def _object_arguments(arguments: str) -> str | None:
     holding JSON) arrives encoded twice: its inner text is the arguments, as tracerl's parser
     passes them (a string that is no JSON too: the client's to report)."""
     value = json.loads(arguments)  # vLLM's json.dumps of the parsed block
-    if isinstance(value, str):
-        return value if _tracerl_tool_parsers().arguments_are_an_object(value) else None
-    return arguments if isinstance(value, dict) else None
+    text = value if isinstance(value, str) else arguments
+    return text if _tracerl_tool_parsers().arguments_are_an_object(text) else None
 
 
 @ToolParserManager.register_module(NAME)
