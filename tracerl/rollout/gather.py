@@ -183,12 +183,13 @@ async def _attach_spans(trajectory: Trajectory, rollout: RolloutContext) -> None
         missing = awaited_span_ids(trajectory.spans, trajectory.llm_calls)
         if not missing:
             break
-        if time.monotonic() + pause > deadline:
+        left = deadline - time.monotonic()
+        if left <= 0:  # the whole wait: a poll never gives up early because its pause is long
             log.warning("rollout %s: %d span(s) its calls announced were not posted within "
                         "%g s (TRACERL_SPAN_WAIT_S), so its trajectory goes without them: %s",
                         rollout.rollout_id, len(missing), wait_s, ", ".join(sorted(missing)))
             break
-        await asyncio.sleep(pause)  # a poll with a deadline: the post lands on the gateway
+        await asyncio.sleep(min(pause, left))  # a poll with a deadline: the post lands there
         pause = min(pause * 2, SPAN_POLL_MAX_S)
     link_spans_to_calls(trajectory.spans, trajectory.llm_calls)
 

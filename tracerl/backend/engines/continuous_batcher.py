@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...core.engine import EngineRequestError
 from ...core.trajectory import is_greedy
 from .generation_job import GenerationJob, ModelAccess, Results, resolve
 
@@ -80,22 +81,29 @@ class ContinuousBatcher:
                 self._waiting.append(await self.queue.get())
             while not self.queue.empty():
                 self._waiting.append(self.queue.get_nowait())
+            unloaded: list[GenerationJob] = []
             try:
-                events = await asyncio.to_thread(self._step)
+                events = await asyncio.to_thread(self._step, unloaded)
             except Exception as e:
                 log.exception("a generation step failed; its requests fail with it")
                 self._fail_all(e)
                 continue
+            for job in (j for j in unloaded if not j.future.done()):
+                job.future.set_exception(EngineRequestError(
+                    "the model's adapter was unloaded while the request waited",
+                    status=404, param="model", code="model_not_found"))
             self._dispatch(events)
 
     # --- one step, on the worker thread ------------------------------------------------------
 
-    def _step(self) -> list[_Event]:
+    def _step(self, unloaded: list[GenerationJob]) -> list[_Event]:
+        """One step; requests whose adapter is no longer loaded leave, into ``unloaded``."""
         import torch
 
         events: list[_Event] = []
         with self.access.lock, torch.inference_mode():
             model = self.access.model()
+            self._drop_unloaded(model, unloaded)
             self._drop_cancelled()
             budget = self.prefill_tokens if self._rows else IDLE_PREFILL_TOKENS
             while budget > 0 and self._admit():
@@ -103,6 +111,25 @@ class ContinuousBatcher:
             if self._rows:
                 self._decode(model, events)
         return events
+
+    def _drop_unloaded(self, model: Any, unloaded: list[GenerationJob]) -> None:
+        """Requests of an adapter deleted since they came (an engine's direct caller; the
+        gateway unloads a version only once its calls ended) leave, so that their rows do not
+        fail the others' step."""
+        loaded = getattr(model, "peft_config", {})
+        jobs = [*self.decoding, *self._waiting, *([self._prefill.job] if self._prefill else [])]
+        gone = {id(job): job for job in jobs
+                if job.adapter is not None and job.adapter not in loaded}
+        if not gone:
+            return
+        unloaded.extend(gone.values())
+        for slot in range(len(self._rows) - 1, -1, -1):
+            if id(self._rows[slot].job) in gone:
+                self._remove(slot)
+        self._jobs = {k: rows for k, rows in self._jobs.items() if k not in gone}
+        self._waiting = deque(job for job in self._waiting if id(job) not in gone)
+        if self._prefill is not None and id(self._prefill.job) in gone:
+            self._prefill = None
 
     def _drop_cancelled(self) -> None:
         for slot in range(len(self._rows) - 1, -1, -1):
@@ -139,10 +166,9 @@ class ContinuousBatcher:
         job = pre.job
         chunk = job.prompt_ids[pre.done: pre.done + budget]
         device = next(model.parameters()).device
-        ctx, kwargs = _adapters(model, [job.adapter])
-        with ctx:
-            out = model(input_ids=torch.tensor([chunk], device=device), past_key_values=pre.cache,
-                        use_cache=True, logits_to_keep=1, **kwargs)
+        kwargs = self.access.adapters.select(model, [job.adapter])
+        out = model(input_ids=torch.tensor([chunk], device=device), past_key_values=pre.cache,
+                    use_cache=True, logits_to_keep=1, **kwargs)
         pre.done += len(chunk)
         if pre.done < len(job.prompt_ids):
             return len(chunk)
@@ -170,11 +196,10 @@ class ContinuousBatcher:
         cache = self._cache
         mask, positions = cache.columns_for_step(device)
         input_ids = torch.tensor([[row.ids[-1]] for row in self._rows], device=device)
-        ctx, kwargs = _adapters(model, [row.job.adapter for row in self._rows])
-        with ctx:
-            out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                        past_key_values=cache, cache_position=torch.tensor([cache.width]),
-                        use_cache=True, logits_to_keep=1, **kwargs)
+        kwargs = self.access.adapters.select(model, [row.job.adapter for row in self._rows])
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                    past_key_values=cache, cache_position=torch.tensor([cache.width]),
+                    use_cache=True, logits_to_keep=1, **kwargs)
         cache.advance()
         tokens, lps = sample(out.logits[:, -1], [row.job for row in self._rows])
         for row, token, lp in zip(self._rows, tokens, lps, strict=True):
@@ -228,21 +253,6 @@ class ContinuousBatcher:
         if self._cache is not None:
             self._cache.release()
             self._cache = None
-
-
-def _adapters(model: Any, adapters: list[str | None]) -> tuple[Any, dict[str, Any]]:
-    """How ``model`` runs rows of these adapters (None: the base model): a context to run it
-    in, and extra forward arguments."""
-    import contextlib
-
-    if not hasattr(model, "peft_config"):
-        return contextlib.nullcontext(), {}
-    if len(set(adapters)) > 1:  # several models' adapters: peft routes each row
-        return contextlib.nullcontext(), {"adapter_names": [a or "__base__" for a in adapters]}
-    if adapters[0] is None:
-        return model.disable_adapter(), {}
-    model.set_adapter(adapters[0])
-    return contextlib.nullcontext(), {}
 
 
 def sample(logits: Any, jobs: list[GenerationJob]) -> tuple[list[int], list[float]]:

@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .adapter_switch import AdapterSwitch
+
 # what a request gets back: per sequence (token ids, their logprobs, finish reason)
 Results = list[tuple[list[int], list[float], str]]
 # (sequence index, token id, its logprob, finish reason once the sequence ended)
@@ -51,10 +53,12 @@ def resolve(future: asyncio.Future, results: Results) -> None:
 class ModelAccess:
     """What a batcher needs of the engine: the model (replaced when the first adapter loads), the
     lock held while it runs, the digest of the weights serving an adapter (None: the base), the
-    end-of-sequence ids and the padding id."""
+    end-of-sequence ids, the padding id and the switch that sets the model's adapter for a
+    forward."""
 
     lock: threading.Lock
     model: Callable[[], Any]
     digest: Callable[[str | None], str | None]
     eos: set[int]
     pad: int
+    adapters: AdapterSwitch

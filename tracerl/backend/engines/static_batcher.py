@@ -67,23 +67,16 @@ class StaticBatcher:
         with self.access.lock, torch.inference_mode():
             model = self.access.model()
             device = next(model.parameters()).device
-            ctx: Any = _null()
             for job in batch:  # the digest of what serves each call, read under the lock
                 job.digest = self.access.digest(job.adapter)
-            if len(set(adapters)) > 1:  # several models' adapters: peft routes each row
-                gen_kwargs["adapter_names"] = [a or "__base__" for a in adapters]
-            elif first.adapter is not None:
-                model.set_adapter(first.adapter)
-            elif hasattr(model, "peft_config"):
-                ctx = model.disable_adapter()
-            with ctx:
-                model.generate(
-                    input_ids=input_ids.to(device), attention_mask=attention.to(device),
-                    max_new_tokens=max(job.max_tokens for job in batch),
-                    pad_token_id=pad, eos_token_id=list(eos), output_scores=True,
-                    return_dict_in_generate=True,
-                    stopping_criteria=StoppingCriteriaList([handback]), **gen_kwargs,
-                )
+            gen_kwargs.update(self.access.adapters.select(model, adapters))
+            model.generate(
+                input_ids=input_ids.to(device), attention_mask=attention.to(device),
+                max_new_tokens=max(job.max_tokens for job in batch),
+                pad_token_id=pad, eos_token_id=list(eos), output_scores=True,
+                return_dict_in_generate=True,
+                stopping_criteria=StoppingCriteriaList([handback]), **gen_kwargs,
+            )
         handback.finish_all()
 
 
@@ -142,10 +135,3 @@ class _SequenceHandback:
         self.finish = [f or "length" for f in self.finish]
         self._hand_back_ended()
 
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

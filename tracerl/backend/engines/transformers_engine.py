@@ -32,6 +32,7 @@ from ...core.engine import (
 from ...core.fingerprint import BASE, digest_if_readable, note_served
 from ...events.hookspecs import hookimpl
 from ..chat_template import apply_chat_template_override, render_prompt, turn_end_ids
+from .adapter_switch import AdapterSwitch
 from .generation_job import GenerationJob, ModelAccess, Results, TokenSink
 from .token_prompts import requested_max_tokens
 from .tool_parsers import PARSERS, content_before_tool_calls
@@ -61,6 +62,7 @@ class TransformersEngine(Engine):
         self._batcher_impl: Any = None  # a ContinuousBatcher (or StaticBatcher)
         self._batcher: asyncio.Task | None = None
         self._lock = threading.Lock()
+        self._switch = AdapterSwitch()  # the model's adapter state, set only on a change
         self._stop_ids: set[int] | None = None  # _eos_ids(), once the tokenizer is loaded
         # seconds from each answered request's submission to its first sampled token
         self.first_token_waits: deque[float] = deque(maxlen=10_000)
@@ -95,13 +97,14 @@ class TransformersEngine(Engine):
         # (the ignore: functools.wraps on PreTrainedModel.to makes mypy read the device as self)
         model.to("cuda" if cuda else "cpu").eval()  # type: ignore[arg-type]  # see above
         self.model = model
+        self._switch.forget()
 
     def _make_batcher(self) -> Any:
         tok = self.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         access = ModelAccess(
             lock=self._lock, model=lambda: self.model, eos=self._eos_ids(), pad=pad,
-            digest=lambda a: BASE if a is None else self._digests.get(a))
+            digest=lambda a: BASE if a is None else self._digests.get(a), adapters=self._switch)
         config = self.spec.config
         if self._batching == "static":
             from .static_batcher import StaticBatcher
@@ -136,6 +139,7 @@ class TransformersEngine(Engine):
         digest = digest_if_readable(path)  # taken once, before the load
 
         with self._lock:
+            self._switch.forget()
             self._digests.pop(lora_name, None)  # set again only once the load succeeded
             if not hasattr(self.model, "peft_config"):
                 self.model = PeftModel.from_pretrained(self.model, path, adapter_name=lora_name)
@@ -146,6 +150,19 @@ class TransformersEngine(Engine):
             self.model.eval()
             if digest is not None:
                 self._digests[lora_name] = digest
+
+    async def unload_adapter(self, lora_name: str) -> None:
+        """Stop serving ``lora_name`` and delete its weights from the model (a retired version:
+        an engine that kept every version grew by an adapter per promotion)."""
+        self._adapters.pop(lora_name, None)
+        await asyncio.to_thread(self._delete_adapter, self._peft_name(lora_name))
+
+    def _delete_adapter(self, peft_name: str) -> None:
+        with self._lock:  # after the step in progress: no forward runs it from here on
+            self._digests.pop(peft_name, None)
+            if self.model is not None and peft_name in getattr(self.model, "peft_config", {}):
+                self._switch.forget()
+                self.model.delete_adapter(peft_name)
 
     # --- request handling ----------------------------------------------------------------
 

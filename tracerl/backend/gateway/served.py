@@ -110,14 +110,17 @@ class ServedModel:
             await self._retire(sorted(self.versions)[:-self.resident])
 
     async def load_version(self, step: int, path: Path, keep: Collection[int] = ()) -> None:
-        """Release control: load ``step`` as ``NAME@step`` (kept: ``keep``, the incumbent, the
-        candidate, the newest; older versions are unloaded once no call uses them). Loaded
-        before any routing names it: a call is never routed to a version not yet loaded."""
+        """Release control: load ``step`` as ``NAME@step`` (kept: ``step``, ``keep``, the
+        incumbent, the candidate, the newest; the others are unloaded once no call uses them).
+        Loaded before any routing names it: a call is never routed to a version not yet
+        loaded, nor to one retired as it loaded (a move to an older step is routed after this
+        load)."""
         if step > 0 and self.versions.get(step) != Path(path):
             await self.engine.load_adapter(self.version_name(step), path)
             self.versions[step] = Path(path)
         self.step = max(self.step, step)
-        keep = {self.step, *keep, *(self.release.steps() if self.release is not None else ())}
+        keep = {step, self.step, *keep,
+                *(self.release.steps() if self.release is not None else ())}
         await self._retire([s for s in self.versions if s not in keep])
 
     async def _retire(self, steps: list[int]) -> None:
