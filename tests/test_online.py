@@ -124,6 +124,33 @@ async def test_groups_form_by_task_key_and_a_batch_is_taken_once(tf_backend):
     assert live.ready(store, 2) == 0 and live.counts(store)["trained"] == 4
 
 
+async def test_a_group_with_equal_rewards_expires_and_makes_no_step(tf_backend):
+    """DAPO's dynamic sampling online: a full group whose rewards are all equal teaches GRPO
+    nothing, so its calls expire ('no_signal', counted) instead of training a candidate that
+    learnt nothing; the task's later calls form a group of their own, which trains."""
+    backend, model, loop = await _online(tf_backend, "live-signal", group_size=2,
+                                         groups_per_step=1)
+    store = backend.store(model)
+    async with _gateway(backend) as http:
+        flat = [await _call(http, model, "flat") for _ in range(2)]
+        for response_id in flat:
+            assert (await http.post(f"/feedback/{response_id}",
+                                    json={"reward": 0.0})).status_code == 200
+        assert await loop.tick() == "collecting"  # no group with signal: no step
+        counts = loop.status()
+        assert counts["expired_no_signal"] == 2 and counts["ready_groups"] == 0
+        assert counts["trained_steps"] == [] and store.latest_step() == 0
+        r = await http.post(f"/feedback/{flat[0]}", json={"reward": 1.0})
+        assert r.status_code == 409 and "equal" in r.json()["error"]["message"]
+        spread = [await _call(http, model, "flat") for _ in range(2)]
+        for reward, response_id in zip((0.0, 1.0), spread, strict=True):
+            await http.post(f"/feedback/{response_id}", json={"reward": reward})
+    assert backend.live_calls.ready(store, 2, 1e-6) == 1
+    assert await loop.tick() == "trained"
+    reasons = [e["reason"] for e in read_jsonl(events_path(store)) if e["event"] == "expired"]
+    assert reasons == ["no_signal"]
+
+
 async def test_the_live_log_replays_past_a_torn_line_and_logs_a_recorded_call_it_missed(
         tf_backend):
     backend, model, _ = await _online(tf_backend, "live-crash")

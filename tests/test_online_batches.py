@@ -61,9 +61,10 @@ async def test_a_batch_that_fails_training_is_set_aside_and_stays_aside_after_a_
     await model.register(backend)
     loop = OnlineLoop(backend, model, online_config(ONLINE))
     await loop.start()
-    for response_id in await _calls(backend, model, "bad", 2):
+    for reward, response_id in zip((1e308, 9e307), await _calls(backend, model, "bad", 2),
+                                   strict=True):
         # as a server before the reward bound took them: the group's mean overflows
-        backend.live_calls.feedback(response_id, 1e308, {})
+        backend.live_calls.feedback(response_id, reward, {})
     with pytest.raises(InvalidTrajectoryError, match="reward"):
         await loop.tick()  # the first try fails; run() logs it and ticks again
     assert loop.status()["failing_batches"] == {"online-0001": 1}

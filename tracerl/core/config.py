@@ -331,6 +331,11 @@ class OnlineConfig(_Strict):
                                        "may wait; default: TRACERL_ONLINE_REWARD_TTL_S")
     max_pending: int | None = Field(None, ge=1, description="live calls kept "
                                     "waiting; default: TRACERL_ONLINE_MAX_PENDING")
+    equal_rewards_tolerance: float | None = Field(
+        1e-6, ge=0, description="a full group whose highest and lowest rewards differ by at most "
+        "this carries no GRPO signal (DAPO's dynamic sampling): its calls expire ('no_signal') "
+        "and it makes no step, so no candidate that learnt nothing takes up a canary; None: "
+        "such groups are trained on")
     rollout_api: bool = Field(True, description="also train on finished rollout-API groups")
     batch_tries: int = Field(3, ge=1, description="tries of a batch whose training fails "
                              "before it is set aside (online/failed_batches.jsonl) and the loop "

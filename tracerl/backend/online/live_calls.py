@@ -180,13 +180,13 @@ class _ModelLive(EventLog):
             for rid in e["rollout_ids"]:
                 c = self.calls[rid]
                 c.expired = e["reason"]
-                self.expired[e["reason"] if c.reward is None or e["reason"] == "rejected"
-                             else "ungrouped"] += 1
+                self.expired[e["reason"] if c.reward is None or
+                             e["reason"] in ("rejected", "no_signal") else "ungrouped"] += 1
 
     def _handed_out(self, rollout_id: str) -> None:
         self.calls[rollout_id].taken = True
 
-    def ready_groups(self, group_size: int) -> list[list[str]]:
+    def full_groups(self, group_size: int) -> list[list[str]]:
         """Full groups of rewarded waiting calls that share a task key, oldest first."""
         by_task: dict[str, list[str]] = {}
         for c in self.calls.values():
@@ -195,6 +195,16 @@ class _ModelLive(EventLog):
         groups = [ids[i:i + group_size] for ids in by_task.values()
                   for i in range(0, len(ids) - group_size + 1, group_size)]
         return sorted(groups, key=lambda ids: max(self.calls[i].rewarded_at or 0 for i in ids))
+
+    def has_signal(self, group: list[str], tolerance: float | None) -> bool:
+        """Whether ``group``'s rewards spread by more than ``tolerance`` (None: any group)."""
+        rewards = [self.calls[i].reward or 0.0 for i in group]
+        return tolerance is None or max(rewards) - min(rewards) > tolerance
+
+    def ready_groups(self, group_size: int, tolerance: float | None = None) -> list[list[str]]:
+        """The full groups to train on: those whose rewards spread by more than
+        ``tolerance`` (None: all)."""
+        return [g for g in self.full_groups(group_size) if self.has_signal(g, tolerance)]
 
     def counts(self) -> dict[str, int]:
         waiting = [c for c in self.calls.values() if c.waiting]
@@ -205,6 +215,7 @@ class _ModelLive(EventLog):
                 "expired_unrewarded": self.expired["ttl"] + self.expired["count"],
                 "expired_ungrouped": self.expired["ungrouped"],
                 "expired_rejected_version": self.expired["rejected"],
+                "expired_no_signal": self.expired["no_signal"],
                 "batches": len(self.taken)}
 
 
@@ -313,22 +324,39 @@ class LiveCalls:
                              EXPIRY_REASONS[reason])
             return state.counts()
 
-    def ready(self, store: ModelStore, group_size: int) -> int:
+    def expire_equal_groups(self, store: ModelStore, group_size: int, tolerance: float
+                            ) -> int:
+        """Expire the calls of full groups whose rewards spread by at most ``tolerance`` (no
+        GRPO signal: DAPO's dynamic sampling), one event; returns how many calls."""
         with self._logs.lock:
-            return len(self._logs.of(store).ready_groups(group_size))
+            state = self._logs.of(store)
+            ids = [i for g in state.full_groups(group_size)
+                   if not state.has_signal(g, tolerance) for i in g]
+            if ids:
+                state.write({"event": "expired", "rollout_ids": ids, "reason": "no_signal",
+                             "at": time.time()})
+                log.info("%d live calls of %s expired (%s)", len(ids), store.root.name,
+                         EXPIRY_REASONS["no_signal"])
+            return len(ids)
+
+    def ready(self, store: ModelStore, group_size: int, tolerance: float | None = None) -> int:
+        """Full groups ready to train on (with a spread of rewards above ``tolerance``)."""
+        with self._logs.lock:
+            return len(self._logs.of(store).ready_groups(group_size, tolerance))
 
     def has_batch(self, store: ModelStore, batch: str) -> bool:
         with self._logs.lock:
             return batch in self._logs.of(store).taken
 
-    def take(self, store: ModelStore, n_groups: int, group_size: int, batch: str
-             ) -> list[list[ExternalRollout]]:
-        """Up to ``n_groups`` ready groups, marked taken (one fsynced event); a ``batch`` id
-        taken before gets the same groups again."""
+    def take(self, store: ModelStore, n_groups: int, group_size: int, batch: str,
+             tolerance: float | None = None) -> list[list[ExternalRollout]]:
+        """Up to ``n_groups`` ready groups (a spread of rewards above ``tolerance``), marked
+        taken (one fsynced event); a ``batch`` id taken before gets the same groups again."""
         validate_name("batch id", batch)
         with self._logs.lock:
             state = self._logs.of(store)
-            ids = state.take(batch, lambda: state.ready_groups(group_size)[:n_groups], 1)
+            ids = state.take(batch, lambda: state.ready_groups(group_size, tolerance)[:n_groups],
+                             1)
             return [[state.calls[i].as_rollout(group_size) for i in group] for group in ids]
 
     def rewards_since(self, store: ModelStore, since: float) -> dict[str, float]:
@@ -353,6 +381,8 @@ EXPIRY_REASONS = {
     "ttl": "no feedback and group within TRACERL_ONLINE_REWARD_TTL_S of the call",
     "count": "more live calls waiting than TRACERL_ONLINE_MAX_PENDING; the oldest went",
     "rejected": "served by a candidate that was rolled back",
+    "no_signal": "its group's rewards were all equal, no GRPO signal "
+                 "(OnlineConfig.equal_rewards_tolerance)",
 }
 
 

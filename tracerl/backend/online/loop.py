@@ -5,13 +5,17 @@ One loop per model, on the gateway's event loop. Each tick:
 
 1. **expire** (:meth:`.live_calls.LiveCalls.expire`): waiting live calls served by a version
    that was rolled back; older than ``reward_ttl_s``; the oldest beyond ``max_pending``.
-   Rollout-API rollouts still open after ``reward_ttl_s`` are finished as failed. Counted;
+   Rollout-API rollouts still open after ``reward_ttl_s`` are finished as failed. A full
+   group whose rewards are all equal (``equal_rewards_tolerance``: no GRPO signal, DAPO's
+   dynamic sampling) expires too, so that no step learns nothing and no such candidate takes
+   up a canary. Counted;
 2. a candidate in **canary**: once ``evaluate_every`` new rewards came back for calls served
    since the canary started, the gates judge it (:meth:`.release.ReleaseControl.evaluate`):
    promote, roll back, hold (``on_hold``: rejected, or a person decides with ``tracerl
    promote`` / ``rollback``) or wait;
 3. no candidate: when ``groups_per_step`` groups are ready -- ``group_size`` rewarded live
-   calls with one task key each, topped up with finished rollout-API groups -- they are taken
+   calls with one task key and a spread of rewards each, topped up with finished rollout-API
+   groups -- they are taken
    (one fsynced event), ``tracerl_online_batch`` fires, the step trains **from the incumbent**
    (a rolled-back candidate's weights are never trained on), and the new version is proposed
    and put in canary for ``canary_share`` of new calls.
@@ -137,6 +141,9 @@ class OnlineLoop:
         await asyncio.to_thread(
             self.live.expire, store, ttl_s=ttl, keep_steps=keep,
             max_pending=cfg.max_pending or settings.TRACERL_ONLINE_MAX_PENDING.get())
+        if cfg.equal_rewards_tolerance is not None:
+            await asyncio.to_thread(self.live.expire_equal_groups, store, cfg.group_size,
+                                    cfg.equal_rewards_tolerance)
         if cfg.rollout_api:
             gone = await asyncio.to_thread(self.backend.rollouts.expire_open, store,
                                            time.time() - ttl)
@@ -168,7 +175,8 @@ class OnlineLoop:
         cfg, store, spec = self.config, self.store, self.spec
         step = store.latest_step() + 1
         batch = await asyncio.to_thread(self.batches.next_id, step)
-        live_ready = await asyncio.to_thread(self.live.ready, store, cfg.group_size)
+        live_ready = await asyncio.to_thread(self.live.ready, store, cfg.group_size,
+                                             cfg.equal_rewards_tolerance)
         api_ready = self.backend.rollouts.counts(store)["ready_groups"] \
             if cfg.rollout_api else 0
         if not self.live.has_batch(store, batch) and \
@@ -202,7 +210,7 @@ class OnlineLoop:
         before: the same groups again)."""
         cfg, store = self.config, self.store
         taken = await asyncio.to_thread(self.live.take, store, cfg.groups_per_step,
-                                        cfg.group_size, batch)
+                                        cfg.group_size, batch, cfg.equal_rewards_tolerance)
         groups = await asyncio.to_thread(build_groups, taken, store, self.backend.call_store,
                                          self.backend.rollouts)
         missing = cfg.groups_per_step - len(groups)
@@ -227,7 +235,8 @@ class OnlineLoop:
         verdict = self.last_verdict
         return {"model": self.spec.key, **self.live.counts(self.store),
                 "expired_rollout_api": self.expired_rollouts,
-                "ready_groups": self.live.ready(self.store, self.config.group_size),
+                "ready_groups": self.live.ready(self.store, self.config.group_size,
+                                                self.config.equal_rewards_tolerance),
                 "incumbent": state.incumbent, "candidate": state.candidate,
                 "stage": state.stage, "trained_steps": self.trained,
                 **self.batches.status(),
