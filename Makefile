@@ -63,10 +63,10 @@ demo: $(DEMO_STAMP)
 PYTEST = TRACERL_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python \
 	TRACERL_LITELLM_PYTHON=$(CURDIR)/$(LITELLM_VENV)/bin/python $(VENV)/bin/python -m pytest
 # The fast stage's modules in four pytest processes, by name: in one process for all ~2,000
-# tests the last modules ran 1.2-10x slower than alone, and CI ran past its 90 minutes (the
-# shared backend's engine kept every version its tests trained, and peft walked them all per
-# decoded token: fixed 2026-12-08, BENCHMARKS.md). Each part starts clean; together they cover
-# every tests/test_*.py.
+# tests the last modules ran 1.2-10x slower than alone, and CI ran past its 90 minutes (a
+# likely cause, measured alone but not in that run: the shared backend's engine kept every
+# adapter its tests loaded, and peft walked them all per decoded token; fixed 2026-12-08,
+# BENCHMARKS.md). Each part starts clean; together they cover every tests/test_*.py.
 FAST_PARTS = "tests/test_[a-f]*.py" "tests/test_[g-q]*.py" "tests/test_r*.py" \
 	"tests/test_[s-z]*.py"
 # lint first: line length, imports and types are part of the test (mypy: [tool.mypy] in
