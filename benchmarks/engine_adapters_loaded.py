@@ -28,12 +28,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.adapter_serving import random_lora
 from tracerl.backend.engines.adapter_switch import AdapterSwitch
 from tracerl.backend.engines.transformers_engine import TransformersEngine
 from tracerl.backend.weights import resolve_base_model
 from tracerl.core.config import EngineConfig, LoraConfig
 from tracerl.core.engine import EngineSpec
 
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT = "1, 2, 3, 4, 5, 6,"  # greedy SmolLM2 keeps counting: every call runs to its max_tokens
 
 
@@ -43,23 +45,6 @@ class PeftEveryForward(AdapterSwitch):
     def select(self, model: Any, adapters: list[str | None]) -> dict[str, Any]:
         self.forget()
         return super().select(model, adapters)
-
-
-def random_adapter(base: Path, out: Path) -> Path:
-    import torch
-    from peft import LoraConfig as PeftLora
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-                           PeftLora(r=8, lora_alpha=16, target_modules="all-linear"))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.02)
-    model.save_pretrained(out)
-    return out
 
 
 async def wave(engine: TransformersEngine, model: str, args: argparse.Namespace) -> float:
@@ -81,7 +66,7 @@ async def main(args: argparse.Namespace) -> None:
     switches = {"switch": engine._switch, "peft-every-forward": PeftEveryForward()}
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        adapter = random_adapter(path, Path(tmp) / "lora")
+        adapter = random_lora(path, Path(tmp) / "lora", ALL_LINEAR, 8)
         loaded = 0
         try:
             for k in args.ks:
