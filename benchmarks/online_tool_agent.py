@@ -15,7 +15,11 @@ When the day ends with such a candidate not yet judged (2 of 2 runs on the loade
 2026-12-07), the traffic goes on an hour at a time until the gates judge it, for up to
 ``--judge-within`` simulated minutes (``extended_sim_minutes`` in the report). Each trained
 inverted candidate and its parent are evaluated on the held-out split at the end
-(``inverted_held_out``): the ground truth the gates' verdict is checked against. One inverted
+(``inverted_held_out``), each loaded again first: the ground truth the gates' verdict is
+checked against (until 2026-12-08 a version retired by then was not loaded again, so its pinned
+calls got 404 and it scored 0 successes: ``inverted_held_out_errors`` now says what share of
+rollouts failed). A held-out evaluation of the incumbent during which a promotion retired it
+is run again on the new incumbent (``rollout_errors`` in the timeline). One inverted
 batch at 2x the learning rate was not clearly worse (seed 0, 2026-12-07: held-out 1.00, promoted
 on rewards 1.00 vs 0.84), so the fault's step runs at 10x (``--bad-lr-factor``).
 """
@@ -190,13 +194,17 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
                                   step=step, seed=12345, log_to_model=False)
 
         async def evaluate_incumbent() -> None:
-            state = loop.control.state()
-            step = state.incumbent or 0
-            score = await held_out(step)
+            for _ in range(3):  # a promotion mid-evaluation retires the version evaluated
+                state = loop.control.state()
+                step = state.incumbent or 0
+                score = await held_out(step)
+                if not score["rollout_errors"] or loop.control.state().incumbent in (None, step):
+                    break
             out.timeline.append({"sim_minute": round(sim.now(), 1), "incumbent": step,
                                  "candidate": state.candidate,
                                  "success": score.get("metrics/success", 0.0),
-                                 "reward": score["reward"]})
+                                 "reward": score["reward"],
+                                 "rollout_errors": score["rollout_errors"]})
             print(f"sim {sim.now():6.1f} min  incumbent {step}  held-out success "
                   f"{out.timeline[-1]['success']:.2f}", file=sys.stderr, flush=True)
 
@@ -226,8 +234,11 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         newest = await model.get_step()
         for step in [s for s in fault.inverted if s <= newest]:
             for judged in (step - 1, step):
+                if judged > 0:  # loaded again if retired (a pinned call to it would get 404)
+                    await backend.serve_step(model, judged)
                 score = await held_out(judged)
                 out.inverted_held_out[str(judged)] = score.get("metrics/success", 0.0)
+                out.inverted_held_out_errors[str(judged)] = score["rollout_errors"]
     from benchmarks.online_learning import stop_online
 
     records, status = await stop_online(backend, loop, stop, runner)
@@ -268,6 +279,7 @@ class Outcome:
         self.train_success: list[tuple[float, float]] = []
         self.extended_sim_minutes = 0.0  # traffic after the day, for an unjudged bad candidate
         self.inverted_held_out: dict[str, float] = {}  # inverted steps and their parents
+        self.inverted_held_out_errors: dict[str, float] = {}  # their failed rollouts' share
 
     def report(self, records: list[dict[str, Any]], status: dict[str, Any],
                inverted: list[int], sim: SimClock, a: argparse.Namespace) -> dict[str, Any]:
@@ -291,6 +303,7 @@ class Outcome:
                 "inverted_steps": inverted,
                 "extended_sim_minutes": round(self.extended_sim_minutes, 1),
                 "inverted_held_out": self.inverted_held_out,
+                "inverted_held_out_errors": self.inverted_held_out_errors,
                 "promoted": [r["step"] for r in records
                              if r["event"] == "commit" and r["action"] == "promote"],
                 "rejected": [r["step"] for r in records if r["event"] == "rejected"],
