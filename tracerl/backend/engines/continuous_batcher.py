@@ -81,29 +81,28 @@ class ContinuousBatcher:
                 self._waiting.append(await self.queue.get())
             while not self.queue.empty():
                 self._waiting.append(self.queue.get_nowait())
-            unloaded: list[GenerationJob] = []
+            refused: list[GenerationJob] = []
             try:
-                events = await asyncio.to_thread(self._step, unloaded)
+                events = await asyncio.to_thread(self._step, refused)
             except Exception as e:
                 log.exception("a generation step failed; its requests fail with it")
                 self._fail_all(e)
                 continue
-            for job in (j for j in unloaded if not j.future.done()):
-                job.future.set_exception(EngineRequestError(
-                    "the model's adapter was unloaded while the request waited",
-                    status=404, param="model", code="model_not_found"))
+            for job in refused:
+                if not job.future.done() and job.refused is not None:
+                    job.future.set_exception(job.refused)
             self._dispatch(events)
 
     # --- one step, on the worker thread ------------------------------------------------------
 
-    def _step(self, unloaded: list[GenerationJob]) -> list[_Event]:
-        """One step; requests whose adapter is no longer loaded leave, into ``unloaded``."""
+    def _step(self, refused: list[GenerationJob]) -> list[_Event]:
+        """One step; requests whose adapter is no longer loaded are refused, into ``refused``."""
         import torch
 
         events: list[_Event] = []
         with self.access.lock, torch.inference_mode():
             model = self.access.model()
-            self._drop_unloaded(model, unloaded)
+            self._refuse_unloaded(model, refused)
             self._drop_cancelled()
             budget = self.prefill_tokens if self._rows else IDLE_PREFILL_TOKENS
             while budget > 0 and self._admit():
@@ -112,24 +111,18 @@ class ContinuousBatcher:
                 self._decode(model, events)
         return events
 
-    def _drop_unloaded(self, model: Any, unloaded: list[GenerationJob]) -> None:
+    def _refuse_unloaded(self, model: Any, refused: list[GenerationJob]) -> None:
         """Requests of an adapter deleted since they came (an engine's direct caller; the
-        gateway unloads a version only once its calls ended) leave, so that their rows do not
-        fail the others' step."""
+        gateway unloads a version only once its calls ended) are refused with a 404, so that
+        their rows leave (:meth:`_drop_cancelled`) instead of failing the others' step."""
         loaded = getattr(model, "peft_config", {})
-        jobs = [*self.decoding, *self._waiting, *([self._prefill.job] if self._prefill else [])]
-        gone = {id(job): job for job in jobs
-                if job.adapter is not None and job.adapter not in loaded}
-        if not gone:
-            return
-        unloaded.extend(gone.values())
-        for slot in range(len(self._rows) - 1, -1, -1):
-            if id(self._rows[slot].job) in gone:
-                self._remove(slot)
-        self._jobs = {k: rows for k, rows in self._jobs.items() if k not in gone}
-        self._waiting = deque(job for job in self._waiting if id(job) not in gone)
-        if self._prefill is not None and id(self._prefill.job) in gone:
-            self._prefill = None
+        prefilling = [self._prefill.job] if self._prefill is not None else []
+        for job in (*self.decoding, *self._waiting, *prefilling):
+            if job.adapter is not None and job.adapter not in loaded and job.refused is None:
+                job.refused = EngineRequestError(
+                    "the model's adapter was unloaded while the request waited",
+                    status=404, param="model", code="model_not_found")
+                refused.append(job)
 
     def _drop_cancelled(self) -> None:
         for slot in range(len(self._rows) - 1, -1, -1):

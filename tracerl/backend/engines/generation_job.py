@@ -32,6 +32,7 @@ class GenerationJob:
     on_token: TokenSink | None = None  # called on ``loop`` for each sampled token
     submitted: float = field(default_factory=time.monotonic)
     first_token: float | None = None  # when its first token was sampled (monotonic)
+    refused: Exception | None = None  # set once queued: it leaves, its future gets this error
 
     @property
     def key(self) -> tuple:
@@ -40,8 +41,9 @@ class GenerationJob:
 
     @property
     def cancelled(self) -> bool:
-        """Its caller no longer waits (past its deadline, hung up)."""
-        return self.future.done()
+        """Its caller no longer waits (past its deadline, hung up), or it was refused after it
+        was queued (its adapter unloaded)."""
+        return self.future.done() or self.refused is not None
 
 
 def resolve(future: asyncio.Future, results: Results) -> None:
