@@ -9,6 +9,10 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
 from .errors import ConfigError
 
+# rewards of a group within this of each other count as equal (dynamic sampling, offline and
+# online): float noise, or near-ties a std-scaled advantage would blow up
+EQUAL_REWARDS_TOLERANCE = 1e-6
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -332,10 +336,10 @@ class OnlineConfig(_Strict):
     max_pending: int | None = Field(None, ge=1, description="live calls kept "
                                     "waiting; default: TRACERL_ONLINE_MAX_PENDING")
     equal_rewards_tolerance: float | None = Field(
-        1e-6, ge=0, description="a full group whose highest and lowest rewards differ by at most "
-        "this carries no GRPO signal (DAPO's dynamic sampling): its calls expire ('no_signal') "
-        "and it makes no step, so no candidate that learnt nothing takes up a canary; None: "
-        "such groups are trained on")
+        EQUAL_REWARDS_TOLERANCE, ge=0, description="a full group whose highest and lowest "
+        "rewards differ by at most this carries no GRPO signal (DAPO's dynamic sampling): "
+        "its calls expire ('no_signal') and it makes no step, so no candidate that learnt "
+        "nothing takes up a canary; None: such groups are trained on")
     rollout_api: bool = Field(True, description="also train on finished rollout-API groups")
     batch_tries: int = Field(3, ge=1, description="tries of a batch whose training fails "
                              "before it is set aside (online/failed_batches.jsonl) and the loop "
@@ -357,8 +361,9 @@ class DynamicSampling(_Strict):
         "(train_task's items_per_step, the pipeline's groups_per_step, gather_external_groups' "
         "n_groups); gather_trajectory_groups needs it")
     tolerance: float = Field(
-        1e-6, ge=0, description="rewards of a group whose highest and lowest differ by at most "
-        "this count as equal (float noise, or near-ties a std-scaled advantage would blow up)")
+        EQUAL_REWARDS_TOLERANCE, ge=0, description="rewards of a group whose highest and "
+        "lowest differ by at most this count as equal (float noise, or near-ties a std-scaled "
+        "advantage would blow up)")
     max_draw_factor: float = Field(
         3.0, ge=1, description="a step draws at most this many times `groups` groups (so this "
         "many times its rollouts); when the bound is hit the step trains on the groups with "

@@ -402,6 +402,13 @@ class _GroupConstruction(type(BaseModel)):  # type: ignore[misc]  # a dynamic ba
         return super().__call__(trajectories, *args, **kwargs)
 
 
+def rewards_spread(rewards: Iterable[float], tolerance: float) -> bool:
+    """Whether ``rewards`` spread by more than ``tolerance``: a GRPO group with signal (all
+    equal, every advantage is 0). The one rule of dynamic sampling, offline and online."""
+    rewards = list(rewards)
+    return bool(rewards) and max(rewards) - min(rewards) > tolerance
+
+
 class TrajectoryGroup(_Validated, metaclass=_GroupConstruction):
     """Trajectories of the same scenario, compared with each other by GRPO.
 

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Literal, TypeVar
 
 from ..core.config import DynamicSampling
 from ..core.errors import ConfigError
-from ..core.trajectory import TrajectoryGroup, attach_scoped_calls
+from ..core.trajectory import TrajectoryGroup, attach_scoped_calls, rewards_spread
 
 if TYPE_CHECKING:
     from .model import Model
@@ -58,7 +58,7 @@ def verdict(group: TrajectoryGroup, tolerance: float) -> Verdict:
     rewards = [t.reward for t in group.trajectories]
     if len(rewards) < 2:
         return "too_few_rollouts"
-    return "kept" if max(rewards) - min(rewards) > tolerance else "equal_rewards"
+    return "kept" if rewards_spread(rewards, tolerance) else "equal_rewards"
 
 
 def groups_wanted(cfg: DynamicSampling, default: int | None, where: str) -> int:

@@ -60,7 +60,7 @@ from ...core.errors import (
     TracerlError,
 )
 from ...core.storage import ModelStore, read_jsonl, validate_name
-from ...core.trajectory import LLMCall
+from ...core.trajectory import LLMCall, rewards_spread
 from ..gateway.request_body import parse_json_object, read_limited_body
 from ..rollout_log import (
     EventLog,
@@ -198,8 +198,8 @@ class _ModelLive(EventLog):
 
     def has_signal(self, group: list[str], tolerance: float | None) -> bool:
         """Whether ``group``'s rewards spread by more than ``tolerance`` (None: any group)."""
-        rewards = [self.calls[i].reward or 0.0 for i in group]
-        return tolerance is None or max(rewards) - min(rewards) > tolerance
+        return tolerance is None or rewards_spread(
+            (self.calls[i].reward or 0.0 for i in group), tolerance)
 
     def ready_groups(self, group_size: int, tolerance: float | None = None) -> list[list[str]]:
         """The full groups to train on: those whose rewards spread by more than
